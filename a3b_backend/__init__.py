@@ -1,0 +1,1 @@
+"""a3b-triton: serving logic behind the Triton model repository."""

@@ -1,0 +1,84 @@
+"""The tensor contract of the four models: the source config.pbtxt files are rendered from.
+
+Names and types of `ensemble` follow Triton's vllm_backend and the TensorRT-LLM
+ensemble so that their clients, perf_analyzer inputs and genai-perf work
+unchanged; shapes follow vllm_backend (no batch dimension, [1] for scalars).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: str  # Triton type without the TYPE_ prefix
+    dims: tuple[int, ...] = (1,)
+    optional: bool = True
+
+
+def _t(name: str, dtype: str, dims: tuple[int, ...] = (1,), optional: bool = True) -> Tensor:
+    return Tensor(name, dtype, dims, optional)
+
+
+VLLM_BACKEND_INPUTS = (
+    _t("text_input", "STRING", optional=False),
+    _t("stream", "BOOL"),
+    _t("sampling_parameters", "STRING"),
+    _t("exclude_input_in_output", "BOOL"),
+    _t("return_finish_reason", "BOOL"),
+    _t("return_cumulative_logprob", "BOOL"),
+    _t("return_logprobs", "BOOL"),
+    _t("return_num_input_tokens", "BOOL"),
+    _t("return_num_output_tokens", "BOOL"),
+)
+TRTLLM_INPUTS = (
+    _t("max_tokens", "INT32"),
+    *(_t(n, "FP32") for n in ("temperature", "top_p", "presence_penalty", "frequency_penalty",
+                              "repetition_penalty", "length_penalty")),
+    *(_t(n, "INT32") for n in ("top_k", "min_tokens", "min_length", "end_id", "pad_id",
+                               "beam_width", "num_return_sequences")),
+    _t("seed", "UINT64"),
+    _t("stop_words", "STRING", (-1,)),
+    _t("bad_words", "STRING", (-1,)),
+    _t("return_log_probs", "BOOL"),
+)
+# Ours: apply the model's own chat template to text_input (one user turn).
+EXTENSION_INPUTS = (_t("apply_chat_template", "BOOL"),)
+TEXT_INPUTS = VLLM_BACKEND_INPUTS + TRTLLM_INPUTS + EXTENSION_INPUTS
+
+TEXT_OUTPUTS = (
+    _t("text_output", "STRING", (-1,)),
+    _t("finish_reason", "STRING", (-1,)),
+    _t("cumulative_logprob", "FP32", (-1,)),
+    _t("logprobs", "STRING", (-1,)),
+    _t("num_input_tokens", "UINT32", (-1,)),
+    _t("num_output_tokens", "UINT32", (-1,)),
+    _t("cum_log_probs", "FP32", (-1,)),
+    _t("output_log_probs", "FP32", (-1,)),
+)
+
+# preprocessing -> a3b_llm
+LLM_INPUTS = (
+    _t("input_ids", "INT32", (-1,), optional=False),
+    _t("sampling_parameters", "STRING"),
+    _t("stream", "BOOL"),
+    # Opaque JSON echoed on every response: postprocessing is fed only by the
+    # decoupled a3b_llm, so whatever it needs must travel through it.
+    _t("postprocess_config", "STRING"),
+)
+# a3b_llm -> postprocessing (one set per engine step)
+LLM_OUTPUTS = (
+    _t("token_ids", "INT32", (-1,)),
+    _t("context_ids", "INT32", (-1,)),
+    _t("finish_reason", "STRING", (1,)),
+    _t("stop_reason", "STRING", (1,)),
+    _t("cumulative_logprob", "FP32", (1,)),
+    _t("token_logprobs", "FP32", (-1,)),
+    _t("logprobs", "STRING", (1,)),
+    _t("num_input_tokens", "UINT32", (1,)),
+    _t("num_output_tokens", "UINT32", (1,)),
+    _t("postprocess_config", "STRING", (1,)),
+)
+PREPROCESS_OUTPUTS = tuple(dataclasses.replace(t, optional=False) for t in LLM_INPUTS)
+POSTPROCESS_INPUTS = tuple(dataclasses.replace(t, optional=False) for t in LLM_OUTPUTS)

@@ -1,0 +1,74 @@
+"""Owns vLLM's AsyncLLM on an asyncio loop thread of its own.
+
+Triton calls `execute` on its own thread; requests are handed to this loop and
+stream back from it, so many requests are in flight at once and vLLM batches
+them continuously.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+from typing import Any, AsyncIterator, Coroutine
+
+log = logging.getLogger(__name__)
+
+
+class EngineHost:
+    def __init__(self, engine_args: dict[str, Any], env: dict[str, str] | None = None):
+        for key, value in (env or {}).items():
+            os.environ.setdefault(key, value)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="a3b-engine-loop", daemon=True)
+        self._thread.start()
+        self._in_flight: dict[str, concurrent.futures.Future] = {}
+        self.engine = self.call(self._build(engine_args))
+
+    @staticmethod
+    async def _build(engine_args: dict[str, Any]):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+
+    def call(self, coro: Coroutine, timeout: float | None = None) -> Any:
+        """Run a coroutine on the engine loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def submit(self, request_id: str, coro: Coroutine) -> concurrent.futures.Future:
+        """Start a request's coroutine on the engine loop; returns at once."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self._in_flight[request_id] = future
+        future.add_done_callback(lambda _f: self._in_flight.pop(request_id, None))
+        return future
+
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params) -> AsyncIterator[Any]:
+        from vllm.inputs import TokensPrompt
+
+        async for output in self.engine.generate(
+            TokensPrompt(prompt_token_ids=prompt_ids), sampling_params, request_id
+        ):
+            yield output
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def shutdown(self, drain_timeout: float = 10.0) -> None:
+        """Let in-flight requests finish for a while, abort the rest, stop the engine."""
+        pending = list(self._in_flight.values())
+        if pending:
+            concurrent.futures.wait(pending, timeout=drain_timeout)
+        for future in list(self._in_flight.values()):
+            future.cancel()
+        try:
+            self.engine.shutdown()
+        except Exception:  # shutting down anyway; report, do not mask the exit
+            log.exception("engine shutdown failed")
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)

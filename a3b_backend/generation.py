@@ -1,0 +1,125 @@
+"""Turns vLLM step outputs into the per-step data a3b_llm sends.
+
+Each step carries the new token ids plus the window of earlier generated ids
+that the stateless postprocessing step needs to detokenize safely.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+import numpy as np
+
+from a3b_backend.detokenize import DecodeRule
+from a3b_backend.request import Limits, RequestError, finalize_sampling, parse_sampling_json
+
+# Validated for clear errors, but not SamplingParams fields in vLLM 0.32.
+_NOT_ENGINE_FIELDS = ("best_of", "use_beam_search")
+
+
+@dataclasses.dataclass
+class Step:
+    token_ids: list[int]
+    context_ids: list[int]
+    finish_reason: str
+    stop_reason: str
+    cumulative_logprob: float
+    token_logprobs: list[float]
+    logprobs_json: str
+    num_input_tokens: int
+    num_output_tokens: int
+
+    @property
+    def final(self) -> bool:
+        return bool(self.finish_reason)
+
+
+@dataclasses.dataclass
+class LlmRequest:
+    prompt_ids: list[int]
+    sampling: dict[str, Any]
+    stream: bool
+
+    @property
+    def decode_rule(self) -> DecodeRule:
+        return DecodeRule(
+            stop=tuple(self.sampling.get("stop", ())),
+            include_stop_str_in_output=self.sampling.get("include_stop_str_in_output", False),
+            skip_special_tokens=self.sampling.get("skip_special_tokens", True),
+        )
+
+    def sampling_params(self):
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        kwargs = {k: v for k, v in self.sampling.items() if k not in _NOT_ENGINE_FIELDS}
+        kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
+        return SamplingParams(**kwargs, output_kind=kind)
+
+
+def parse_llm_request(prompt_ids: list[int], sampling_json: str, stream: bool, limits: Limits) -> LlmRequest:
+    if not prompt_ids:
+        raise RequestError("input 'input_ids' is empty; at least one token id is required")
+    sampling = finalize_sampling(parse_sampling_json(sampling_json), len(prompt_ids), limits)
+    return LlmRequest(prompt_ids=prompt_ids, sampling=sampling, stream=stream)
+
+
+class StepTracker:
+    """Follows one request's outputs (DELTA when streaming, FINAL_ONLY otherwise)."""
+
+    def __init__(self, request: LlmRequest):
+        self._context_tokens = request.decode_rule.context_tokens
+        self._want_logprobs = request.sampling.get("logprobs") is not None
+        self._generated: list[int] = []
+        self._cumulative = 0.0
+
+    def step(self, output: Any) -> Step:
+        completion = output.outputs[0]
+        new_ids = list(completion.token_ids)
+        context = self._generated[-self._context_tokens:] if self._generated else []
+        self._generated.extend(new_ids)
+        token_logprobs, logprobs_json = self._logprobs(completion, new_ids)
+        self._cumulative += sum(token_logprobs)
+        finish = completion.finish_reason or ("stop" if output.finished else "")
+        stop_reason = completion.stop_reason
+        return Step(
+            token_ids=new_ids,
+            context_ids=context,
+            finish_reason=finish or "",
+            stop_reason=stop_reason if isinstance(stop_reason, str) else "",
+            cumulative_logprob=self._cumulative if self._want_logprobs else math.nan,
+            token_logprobs=token_logprobs,
+            logprobs_json=logprobs_json,
+            num_input_tokens=len(output.prompt_token_ids or []),
+            num_output_tokens=len(self._generated),
+        )
+
+    def _logprobs(self, completion: Any, new_ids: list[int]) -> tuple[list[float], str]:
+        if not self._want_logprobs or not completion.logprobs:
+            return [], ""
+        entries = list(completion.logprobs)[-len(new_ids):] if new_ids else []
+        sampled = [entry[tok].logprob for entry, tok in zip(entries, new_ids)]
+        # vllm_backend's `logprobs` layout: per token {token_id: {logprob, rank, decoded_token}}.
+        listed = [
+            {str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for tid, lp in entry.items()}
+            for entry in entries
+        ]
+        return sampled, json.dumps(listed)
+
+
+def step_arrays(step: Step, postprocess_config: str) -> dict[str, np.ndarray]:
+    """The a3b_llm output tensors of one step."""
+    return {
+        "token_ids": np.asarray(step.token_ids, dtype=np.int32),
+        "context_ids": np.asarray(step.context_ids, dtype=np.int32),
+        "finish_reason": np.array([step.finish_reason.encode()], dtype=np.object_),
+        "stop_reason": np.array([step.stop_reason.encode("utf-8")], dtype=np.object_),
+        "cumulative_logprob": np.array([step.cumulative_logprob], dtype=np.float32),
+        "token_logprobs": np.asarray(step.token_logprobs, dtype=np.float32),
+        "logprobs": np.array([step.logprobs_json.encode("utf-8")], dtype=np.object_),
+        "num_input_tokens": np.array([step.num_input_tokens], dtype=np.uint32),
+        "num_output_tokens": np.array([step.num_output_tokens], dtype=np.uint32),
+        "postprocess_config": np.array([postprocess_config.encode("utf-8")], dtype=np.object_),
+    }

@@ -1,0 +1,51 @@
+"""postprocessing: one engine step -> the text-level outputs of the ensemble."""
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+import numpy as np
+
+from a3b_backend.detokenize import DecodeRule, text_delta
+
+
+def _str(tensors: Mapping[str, np.ndarray], name: str) -> str:
+    raw = tensors[name].reshape(-1)[0]
+    return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+
+
+def _float(tensors: Mapping[str, np.ndarray], name: str) -> float:
+    return float(tensors[name].reshape(-1)[0])
+
+
+def step_outputs(tensors: Mapping[str, np.ndarray], tokenizer: Any) -> dict[str, np.ndarray]:
+    config = json.loads(_str(tensors, "postprocess_config") or "{}")
+    rule = DecodeRule(
+        stop=tuple(config.get("stop", ())),
+        include_stop_str_in_output=config.get("include_stop_str_in_output", False),
+        skip_special_tokens=config.get("skip_special_tokens", True),
+    )
+    finish_reason = _str(tensors, "finish_reason")
+    final = bool(finish_reason)
+    text = text_delta(
+        tokenizer,
+        tensors["context_ids"].reshape(-1).tolist(),
+        tensors["token_ids"].reshape(-1).tolist(),
+        rule,
+        final=final,
+        stopped_by=_str(tensors, "stop_reason") or None,
+    )
+    if final and config.get("echo"):
+        text = config["echo"] + text
+    cumulative = _float(tensors, "cumulative_logprob")
+    token_logprobs = tensors["token_logprobs"].reshape(-1).astype(np.float32)
+    return {
+        "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
+        "finish_reason": np.array([finish_reason.encode()], dtype=np.object_),
+        "cumulative_logprob": np.array([cumulative], dtype=np.float32),
+        "logprobs": np.array([_str(tensors, "logprobs").encode("utf-8")], dtype=np.object_),
+        "num_input_tokens": tensors["num_input_tokens"].reshape(1).astype(np.uint32),
+        "num_output_tokens": tensors["num_output_tokens"].reshape(1).astype(np.uint32),
+        "cum_log_probs": np.array([cumulative], dtype=np.float32),
+        "output_log_probs": token_logprobs,
+    }

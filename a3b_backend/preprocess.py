@@ -1,0 +1,59 @@
+"""preprocessing: text request -> token ids + normalized engine request."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Mapping
+
+import numpy as np
+
+from a3b_backend.request import GenerationRequest, Limits, RequestError, finalize_sampling, parse_request
+
+
+@dataclasses.dataclass
+class Prepared:
+    input_ids: list[int]
+    sampling_json: str
+    stream: bool
+    postprocess_config: str
+
+
+def tokenize(tokenizer: Any, request: GenerationRequest) -> list[int]:
+    if not request.apply_chat_template:
+        return list(tokenizer.encode(request.prompt, add_special_tokens=True))
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestError("input 'apply_chat_template' is true but the served model has no chat template")
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": request.prompt}], tokenize=False, add_generation_prompt=True
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def postprocess_config(request: GenerationRequest) -> dict[str, Any]:
+    return {
+        "echo": request.prompt if request.echo_prompt else "",
+        "stop": request.sampling.get("stop", []),
+        "include_stop_str_in_output": request.sampling.get("include_stop_str_in_output", False),
+        "skip_special_tokens": request.sampling.get("skip_special_tokens", True),
+    }
+
+
+def prepare(tensors: Mapping[str, np.ndarray], tokenizer: Any, limits: Limits) -> Prepared:
+    request = parse_request(tensors)
+    ids = tokenize(tokenizer, request)
+    sampling = finalize_sampling(request.sampling, len(ids), limits)
+    return Prepared(
+        input_ids=ids,
+        sampling_json=json.dumps(sampling),
+        stream=request.stream,
+        postprocess_config=json.dumps(postprocess_config(request)),
+    )
+
+
+def prepared_arrays(prepared: Prepared) -> dict[str, np.ndarray]:
+    return {
+        "input_ids": np.asarray(prepared.input_ids, dtype=np.int32),
+        "sampling_parameters": np.array([prepared.sampling_json.encode("utf-8")], dtype=np.object_),
+        "stream": np.array([prepared.stream], dtype=bool),
+        "postprocess_config": np.array([prepared.postprocess_config.encode("utf-8")], dtype=np.object_),
+    }

@@ -1,0 +1,129 @@
+"""Deployment profiles: the one source of truth for engine and model settings.
+
+Every model in the repository reads its settings from here (selected by the
+A3B_PROFILE environment variable or the model config parameter `profile`), so
+the tokenizer, the engine and the request limits can never disagree.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+PROFILE_ENV = "A3B_PROFILE"
+MODEL_DIR_ENV = "A3B_MODEL_DIR"
+DEFAULT_PROFILE = "cpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    name: str
+    # Relative paths are resolved against the project root (the parent of
+    # model_repository/), absolute ones are used as they are.
+    model_dir: str
+    max_model_len: int
+    default_max_tokens: int
+    tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    dtype: str = "auto"
+    quantization: str | None = None
+    distributed_executor_backend: str | None = None
+    cpu_kv_cache_gib: int = 2
+    trust_remote_code: bool = False
+    # Request limits enforced by preprocessing before anything reaches the engine.
+    max_stop_words: int = 16
+    max_stop_word_chars: int = 256
+
+    def resolve_model_dir(self, project_root: Path) -> Path:
+        override = os.environ.get(MODEL_DIR_ENV)
+        path = Path(override or self.model_dir)
+        return path if path.is_absolute() else (project_root / path).resolve()
+
+    def engine_args(self, project_root: Path) -> dict[str, Any]:
+        """Keyword arguments for vLLM's AsyncEngineArgs."""
+        args: dict[str, Any] = dict(
+            model=str(self.resolve_model_dir(project_root)),
+            max_model_len=self.max_model_len,
+            tensor_parallel_size=self.tensor_parallel_size,
+            kv_cache_dtype=self.kv_cache_dtype,
+            enable_prefix_caching=self.enable_prefix_caching,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_num_seqs=self.max_num_seqs,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            dtype=self.dtype,
+            trust_remote_code=self.trust_remote_code,
+            load_format="safetensors",
+        )
+        optional = dict(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            quantization=self.quantization,
+            distributed_executor_backend=self.distributed_executor_backend,
+        )
+        args.update({k: v for k, v in optional.items() if v is not None})
+        return args
+
+
+PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in (
+        Profile(
+            name="cpu",
+            model_dir="models/smollm2-135m-instruct",
+            max_model_len=8192,
+            default_max_tokens=512,
+            max_num_seqs=32,
+            max_num_batched_tokens=8192,
+            cpu_kv_cache_gib=2,
+        ),
+        Profile(
+            name="h200",
+            model_dir="models/qwen3.6-35b-a3b-a3b",
+            max_model_len=131072,
+            default_max_tokens=2048,
+            kv_cache_dtype="fp8",
+            max_num_seqs=64,
+            max_num_batched_tokens=8192,
+            gpu_memory_utilization=0.92,
+        ),
+        Profile(
+            name="a100x8",
+            model_dir="models/qwen3.6-35b-a3b-a3b",
+            max_model_len=131072,
+            default_max_tokens=2048,
+            tensor_parallel_size=8,
+            kv_cache_dtype="fp8",
+            max_num_seqs=64,
+            max_num_batched_tokens=4096,
+            gpu_memory_utilization=0.92,
+            distributed_executor_backend="mp",
+        ),
+    )
+}
+
+
+def get_profile(name: str | None = None) -> Profile:
+    """The profile named explicitly, else by $A3B_PROFILE, else the default."""
+    chosen = name or os.environ.get(PROFILE_ENV) or DEFAULT_PROFILE
+    try:
+        return PROFILES[chosen]
+    except KeyError:
+        raise ValueError(
+            f"unknown profile {chosen!r} (from {PROFILE_ENV}); known: {', '.join(PROFILES)}"
+        ) from None
+
+
+def request_limits(profile: Profile):
+    from a3b_backend.request import Limits
+
+    return Limits(
+        max_model_len=profile.max_model_len,
+        default_max_tokens=profile.default_max_tokens,
+        max_stop_words=profile.max_stop_words,
+        max_stop_word_chars=profile.max_stop_word_chars,
+    )

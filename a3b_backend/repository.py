@@ -1,0 +1,105 @@
+"""Renders the model repository's config.pbtxt files from the contract.
+
+The committed configs are this module's output (a test checks they match), so
+the four models never disagree. Engine settings are not in the configs: every
+model reads them from `profiles.py` at load time, chosen by $A3B_PROFILE.
+
+    a3b-render [--repository model_repository] [--check]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Iterable
+
+from a3b_backend import contract
+from a3b_backend.contract import Tensor
+
+HEADER = "# Rendered by `a3b-render` from a3b_backend/contract.py; do not edit by hand.\n"
+
+
+def _tensor_block(kind: str, tensors: Iterable[Tensor]) -> str:
+    items = []
+    for t in tensors:
+        lines = [f'    name: "{t.name}"', f"    data_type: TYPE_{t.dtype}",
+                 f"    dims: [ {', '.join(str(d) for d in t.dims)} ]"]
+        if t.optional and kind == "input":
+            lines.append("    optional: true")
+        items.append("  {\n" + "\n".join(lines) + "\n  }")
+    return f"{kind} [\n" + ",\n".join(items) + "\n]\n"
+
+
+def _python_model(name: str, inputs, outputs, decoupled: bool, instance_kind: str, count: int) -> str:
+    return (
+        HEADER
+        + f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
+        + f"model_transaction_policy {{ decoupled: {'true' if decoupled else 'false'} }}\n"
+        + _tensor_block("input", inputs)
+        + _tensor_block("output", outputs)
+        + f"instance_group [ {{ count: {count}, kind: {instance_kind} }} ]\n"
+    )
+
+
+def _step(model: str, inputs: dict[str, str], outputs: dict[str, str]) -> str:
+    ins = "".join(f'      input_map {{ key: "{k}" value: "{v}" }}\n' for k, v in inputs.items())
+    outs = "".join(f'      output_map {{ key: "{k}" value: "{v}" }}\n' for k, v in outputs.items())
+    return f'    {{\n      model_name: "{model}"\n      model_version: -1\n{ins}{outs}    }}'
+
+
+def _ensemble() -> str:
+    llm_in = {t.name: f"_pre_{t.name}" for t in contract.PREPROCESS_OUTPUTS}
+    llm_out = {t.name: f"_llm_{t.name}" for t in contract.LLM_OUTPUTS}
+    steps = [
+        _step("preprocessing", {t.name: t.name for t in contract.TEXT_INPUTS}, llm_in),
+        _step("a3b_llm", llm_in, llm_out),
+        _step("postprocessing", llm_out, {t.name: t.name for t in contract.TEXT_OUTPUTS}),
+    ]
+    return (
+        HEADER
+        + 'name: "ensemble"\nplatform: "ensemble"\nmax_batch_size: 0\n'
+        + "model_transaction_policy { decoupled: true }\n"
+        + _tensor_block("input", contract.TEXT_INPUTS)
+        + _tensor_block("output", contract.TEXT_OUTPUTS)
+        + "ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}\n"
+    )
+
+
+def render() -> dict[str, str]:
+    """Model name -> config.pbtxt text."""
+    return {
+        "preprocessing": _python_model("preprocessing", contract.TEXT_INPUTS, contract.PREPROCESS_OUTPUTS,
+                                       decoupled=False, instance_kind="KIND_CPU", count=1),
+        # KIND_MODEL: vLLM places the model on its devices itself.
+        "a3b_llm": _python_model("a3b_llm", contract.LLM_INPUTS, contract.LLM_OUTPUTS,
+                                 decoupled=True, instance_kind="KIND_MODEL", count=1),
+        # One instance keeps the pieces of a stream in engine order.
+        "postprocessing": _python_model("postprocessing", contract.POSTPROCESS_INPUTS, contract.TEXT_OUTPUTS,
+                                        decoupled=False, instance_kind="KIND_CPU", count=1),
+        "ensemble": _ensemble(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repository", type=Path, default=Path(__file__).resolve().parent.parent / "model_repository")
+    parser.add_argument("--check", action="store_true", help="fail if a committed config differs from the rendered one")
+    args = parser.parse_args(argv)
+    stale = []
+    for model, text in render().items():
+        path = args.repository / model / "config.pbtxt"
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(str(path))
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
+    if stale:
+        print("stale configs (run a3b-render): " + ", ".join(stale), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

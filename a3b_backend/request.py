@@ -1,0 +1,334 @@
+"""Both wire forms (vllm_backend and TensorRT-LLM ensemble) -> one validated request.
+
+Everything here is pure: it takes numpy arrays keyed by tensor name and returns
+plain data, so it is unit-tested without Triton. Every error message names the
+tensor or parameter, the value received and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+
+class RequestError(ValueError):
+    """A client error: the message is sent back to the caller as it is."""
+
+
+# ---------------------------------------------------------------------------
+# Parameter table: name -> (kind, check, allowed-range text). `kind` coerces the
+# value (vllm_backend lets sampling_parameters carry numbers as strings).
+Check = Callable[[Any], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    kind: str  # "float" | "int" | "bool" | "str_list" | "int_list"
+    check: Check
+    allowed: str
+
+
+def _finite(lo: float, hi: float, lo_open: bool = False) -> Check:
+    return lambda v: math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
+
+
+SAMPLING_PARAMS: dict[str, Param] = {
+    "max_tokens": Param("int", lambda v: v >= 1, "an integer >= 1"),
+    "min_tokens": Param("int", lambda v: v >= 0, "an integer >= 0"),
+    "temperature": Param("float", _finite(0.0, 100.0), "a number in [0, 100] (0 = greedy)"),
+    "top_p": Param("float", _finite(0.0, 1.0, lo_open=True), "a number in (0, 1]"),
+    "top_k": Param("int", lambda v: v == -1 or v >= 0, "-1 or 0 (disabled) or an integer >= 1"),
+    "min_p": Param("float", _finite(0.0, 1.0), "a number in [0, 1]"),
+    "presence_penalty": Param("float", _finite(-2.0, 2.0), "a number in [-2, 2]"),
+    "frequency_penalty": Param("float", _finite(-2.0, 2.0), "a number in [-2, 2]"),
+    "repetition_penalty": Param("float", _finite(0.0, 10.0, lo_open=True), "a number in (0, 10]"),
+    "seed": Param("int", lambda v: 0 <= v < 2**63, "an integer in [0, 2^63)"),
+    "stop": Param("str_list", lambda v: all(v), "a string or a list of non-empty strings"),
+    "stop_token_ids": Param("int_list", lambda v: all(t >= 0 for t in v), "a list of token ids >= 0"),
+    "bad_words": Param("str_list", lambda v: all(v), "a list of non-empty strings"),
+    "ignore_eos": Param("bool", lambda v: True, "true or false"),
+    "include_stop_str_in_output": Param("bool", lambda v: True, "true or false"),
+    "skip_special_tokens": Param("bool", lambda v: True, "true or false"),
+    "logprobs": Param("int", lambda v: 0 <= v <= 20, "an integer in [0, 20]"),
+    "n": Param("int", lambda v: v == 1, "1 (several sequences per request are not supported)"),
+    "best_of": Param("int", lambda v: v == 1, "1 (best-of sampling is not supported)"),
+    "use_beam_search": Param("bool", lambda v: v is False, "false (beam search is not supported)"),
+}
+
+# TensorRT-LLM ensemble tensors that map straight onto a sampling parameter.
+TRTLLM_SAMPLING_TENSORS: dict[str, str] = {
+    "max_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_tokens",
+    "min_length": "min_tokens",  # genai-perf's tensorrtllm mode sends this name
+    "seed": "seed",
+    "stop_words": "stop",
+    "bad_words": "bad_words",
+}
+
+RETURN_FLAGS = (
+    "return_finish_reason",
+    "return_cumulative_logprob",
+    "return_logprobs",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+    "return_log_probs",
+)
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    """One validated text request, as the preprocessing model hands it on."""
+
+    prompt: str
+    stream: bool = False
+    exclude_input_in_output: bool = False
+    apply_chat_template: bool = False
+    sampling: dict[str, Any] = dataclasses.field(default_factory=dict)
+    returns: dict[str, bool] = dataclasses.field(default_factory=dict)
+
+    @property
+    def echo_prompt(self) -> bool:
+        # vllm_backend: non-streamed text repeats the prompt unless excluded;
+        # streamed pieces never do.
+        return not self.stream and not self.exclude_input_in_output
+
+
+# ---------------------------------------------------------------------------
+# Tensor access helpers
+def _scalar(tensors: Mapping[str, np.ndarray], name: str) -> Any:
+    arr = tensors.get(name)
+    if arr is None:
+        return None
+    if arr.size != 1:
+        raise RequestError(f"input '{name}' must hold exactly one value, got shape {list(arr.shape)}")
+    return arr.reshape(-1)[0]
+
+
+def _decode_utf8(raw: Any, name: str) -> str:
+    if isinstance(raw, str):
+        return raw
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(
+            f"input '{name}' is not valid UTF-8 (byte {exc.start}: {bytes(raw)[exc.start:exc.start + 4]!r})"
+        ) from None
+
+
+def _bool_tensor(tensors: Mapping[str, np.ndarray], name: str, default: bool) -> bool:
+    value = _scalar(tensors, name)
+    if value is None:
+        return default
+    if isinstance(value, (bytes, str, np.bytes_)):
+        return _coerce("bool", _decode_utf8(value, name), name)
+    return bool(value)
+
+
+def _string_list(tensors: Mapping[str, np.ndarray], name: str) -> list[str] | None:
+    arr = tensors.get(name)
+    if arr is None:
+        return None
+    return [_decode_utf8(x, name) for x in arr.reshape(-1)]
+
+
+# ---------------------------------------------------------------------------
+# Coercion and validation
+def _coerce(kind: str, value: Any, name: str) -> Any:
+    where = f"'{name}'"
+    try:
+        if kind == "bool":
+            if isinstance(value, (bool, np.bool_)):
+                return bool(value)
+            if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+                return value.strip().lower() == "true"
+            if isinstance(value, (int, np.integer)) and value in (0, 1):
+                return bool(value)
+            raise TypeError
+        if kind == "int":
+            if isinstance(value, (bool, np.bool_)):
+                raise TypeError
+            if isinstance(value, str):
+                value = value.strip()
+                return int(value)
+            if isinstance(value, (float, np.floating)):
+                if not float(value).is_integer():
+                    raise TypeError
+            return int(value)
+        if kind == "float":
+            if isinstance(value, (bool, np.bool_)):
+                raise TypeError
+            return float(value.strip() if isinstance(value, str) else value)
+        if kind == "str_list":
+            if isinstance(value, str):
+                return [value]
+            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                return list(value)
+            raise TypeError
+        if kind == "int_list":
+            if isinstance(value, list):
+                return [_coerce("int", v, name) for v in value]
+            raise TypeError
+    except (TypeError, ValueError, OverflowError):
+        pass
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    raise RequestError(f"parameter {where} has value {shown}, which is not {_KIND_TEXT[kind]}")
+
+
+_KIND_TEXT = {
+    "bool": "a boolean",
+    "int": "an integer",
+    "float": "a number",
+    "str_list": "a string or list of strings",
+    "int_list": "a list of integers",
+}
+
+
+def _validated(name: str, value: Any) -> Any:
+    spec = SAMPLING_PARAMS.get(name)
+    if spec is None:
+        raise RequestError(
+            f"unknown sampling parameter '{name}'; allowed: {', '.join(sorted(SAMPLING_PARAMS))}"
+        )
+    coerced = _coerce(spec.kind, value, name)
+    if not spec.check(coerced):
+        raise RequestError(f"parameter '{name}' = {value!r} is out of range: allowed is {spec.allowed}")
+    return coerced
+
+
+def parse_sampling_json(raw: str) -> dict[str, Any]:
+    """vllm_backend's `sampling_parameters`: a JSON object, values may be strings."""
+    if not raw.strip():
+        return {}
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"input 'sampling_parameters' is not valid JSON: {exc.msg} at char {exc.pos}") from None
+    if not isinstance(obj, dict):
+        raise RequestError(
+            f"input 'sampling_parameters' must be a JSON object, got {type(obj).__name__}"
+        )
+    return {name: _validated(name, value) for name, value in obj.items()}
+
+
+def _trtllm_sampling(tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for tensor, param in TRTLLM_SAMPLING_TENSORS.items():
+        if tensor not in tensors:
+            continue
+        if SAMPLING_PARAMS[param].kind == "str_list":
+            value: Any = _string_list(tensors, tensor)
+        else:
+            value = _scalar(tensors, tensor).item()
+        if param in out:
+            raise RequestError("inputs 'min_tokens' and 'min_length' are aliases; send only one")
+        try:
+            out[param] = _validated(param, value)
+        except RequestError as exc:
+            raise RequestError(str(exc).replace(f"parameter '{param}'", f"input '{tensor}'", 1)) from None
+    _refuse_unsupported_trtllm(tensors)
+    if "end_id" in tensors:
+        end_id = int(_scalar(tensors, "end_id"))
+        if end_id < 0:
+            raise RequestError(f"input 'end_id' = {end_id} is out of range: allowed is a token id >= 0")
+        out["stop_token_ids"] = [end_id]
+    return out
+
+
+def _refuse_unsupported_trtllm(tensors: Mapping[str, np.ndarray]) -> None:
+    for name, what in (("beam_width", "beam search"), ("num_return_sequences", "several sequences per request")):
+        value = _scalar(tensors, name)
+        if value is not None and int(value) != 1:
+            raise RequestError(f"input '{name}' = {int(value)} is not supported: allowed is 1 ({what} is not available)")
+    value = _scalar(tensors, "length_penalty")
+    if value is not None and float(value) != 1.0:
+        raise RequestError(
+            f"input 'length_penalty' = {float(value)} is not supported: allowed is 1.0 "
+            "(it only applies to beam search, which is not available)"
+        )
+
+
+def parse_request(tensors: Mapping[str, np.ndarray]) -> GenerationRequest:
+    """Merge the vllm_backend and TensorRT-LLM forms; refuse conflicts."""
+    raw_prompt = _scalar(tensors, "text_input")
+    if raw_prompt is None:
+        raise RequestError("input 'text_input' is required (a STRING tensor of shape [1])")
+    prompt = _decode_utf8(raw_prompt, "text_input")
+    if not prompt.strip():
+        raise RequestError("input 'text_input' is empty; a non-empty prompt is required")
+
+    raw_json = _scalar(tensors, "sampling_parameters")
+    sampling = parse_sampling_json(_decode_utf8(raw_json, "sampling_parameters")) if raw_json is not None else {}
+    for name, value in _trtllm_sampling(tensors).items():
+        if name in sampling and sampling[name] != value:
+            raise RequestError(
+                f"parameter '{name}' is given both in 'sampling_parameters' ({sampling[name]!r}) "
+                f"and as a tensor ({value!r}); send it once"
+            )
+        sampling[name] = value
+
+    returns = {flag: _bool_tensor(tensors, flag, False) for flag in RETURN_FLAGS}
+    if returns["return_log_probs"] or returns["return_logprobs"] or returns["return_cumulative_logprob"]:
+        sampling.setdefault("logprobs", 0)
+    return GenerationRequest(
+        prompt=prompt,
+        stream=_bool_tensor(tensors, "stream", False),
+        exclude_input_in_output=_bool_tensor(tensors, "exclude_input_in_output", False),
+        apply_chat_template=_bool_tensor(tensors, "apply_chat_template", False),
+        sampling=sampling,
+        returns=returns,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_model_len: int
+    default_max_tokens: int
+    max_stop_words: int = 16
+    max_stop_word_chars: int = 256
+
+
+def finalize_sampling(sampling: dict[str, Any], num_prompt_tokens: int, limits: Limits) -> dict[str, Any]:
+    """Apply the context window and defaults once the prompt length is known."""
+    room = limits.max_model_len - num_prompt_tokens
+    if room < 1:
+        raise RequestError(
+            f"input 'text_input' is {num_prompt_tokens} tokens; the model's context is "
+            f"{limits.max_model_len} tokens (max_model_len), which leaves no room to generate: "
+            f"shorten the prompt to at most {limits.max_model_len - 1} tokens"
+        )
+    out = dict(sampling)
+    if "max_tokens" in out:
+        if out["max_tokens"] > room:
+            raise RequestError(
+                f"parameter 'max_tokens' = {out['max_tokens']} is out of range: the prompt is "
+                f"{num_prompt_tokens} tokens and the context {limits.max_model_len}, so allowed is 1..{room}"
+            )
+    else:
+        out["max_tokens"] = min(limits.default_max_tokens, room)
+    if out.get("min_tokens", 0) > out["max_tokens"]:
+        raise RequestError(
+            f"parameter 'min_tokens' = {out['min_tokens']} exceeds max_tokens = {out['max_tokens']}"
+        )
+    for name in ("stop", "bad_words"):
+        words = out.get(name, [])
+        if len(words) > limits.max_stop_words:
+            raise RequestError(
+                f"parameter '{name}' has {len(words)} entries; allowed is at most {limits.max_stop_words}"
+            )
+        longest = max((len(w) for w in words), default=0)
+        if longest > limits.max_stop_word_chars:
+            raise RequestError(
+                f"parameter '{name}' has an entry of {longest} characters; allowed is at most "
+                f"{limits.max_stop_word_chars}"
+            )
+    return out

@@ -1,0 +1,40 @@
+"""The few Triton python-backend calls the model.py adapters share.
+
+`pb_utils` is passed in: it exists only inside the Triton stub process.
+"""
+from __future__ import annotations
+
+import locale
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+
+def use_utf8_locale() -> None:
+    # The stub starts with an ASCII default encoding; torch/vLLM imports then
+    # fail on non-ASCII source files.
+    locale.setlocale(locale.LC_ALL, "C.UTF-8")
+
+
+def project_root(args: Mapping[str, str]) -> Path:
+    """args['model_repository'] is this model's directory inside the repository."""
+    return Path(args["model_repository"]).resolve().parent.parent
+
+
+def read_inputs(pb_utils: Any, request: Any, names: Iterable[str]) -> dict[str, np.ndarray]:
+    found = {}
+    for name in names:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            found[name] = tensor.as_numpy()
+    return found
+
+
+def response(pb_utils: Any, arrays: Mapping[str, np.ndarray]) -> Any:
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in arrays.items()])
+
+
+def error_response(pb_utils: Any, message: str, invalid_argument: bool = True) -> Any:
+    code = pb_utils.TritonError.INVALID_ARG if invalid_argument else pb_utils.TritonError.INTERNAL
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))

