@@ -77,8 +77,10 @@ PROFILES: dict[str, Profile] = {
             model_dir="models/smollm2-135m-instruct",
             max_model_len=8192,
             default_max_tokens=512,
-            max_num_seqs=32,
-            max_num_batched_tokens=8192,
+            # vLLM's start-up profile run is one forward of max_num_batched_tokens:
+            # keep it small on 2 cores (chunked prefill splits longer prompts).
+            max_num_seqs=16,
+            max_num_batched_tokens=1024,
             cpu_kv_cache_gib=2,
         ),
         Profile(
