@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -24,10 +25,19 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(MODEL_DIR)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(count: int) -> list[int]:
+    """Free ports below the kernel's ephemeral range, which vLLM's own
+    sockets draw from while the server starts."""
+    rng = random.Random()
+    while True:
+        base = rng.randrange(20000, 30000 - count)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return list(range(base, base + count))
+        except OSError:
+            continue
 
 
 class Server:
@@ -56,7 +66,7 @@ class Server:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory) -> Server:
     """The real tritonserver on ports of its own, so a running `make serve` is untouched."""
-    ports = [_free_port() for _ in range(3)]
+    ports = _free_ports(3)
     log = tmp_path_factory.mktemp("server") / "tritonserver.log"
     env = dict(os.environ, A3B_HTTP_PORT=str(ports[0]), A3B_GRPC_PORT=str(ports[1]),
                A3B_METRICS_PORT=str(ports[2]), VENV=str(Path(sys.executable).parent.parent))
