@@ -22,7 +22,10 @@ def _t(name: str, dtype: str, dims: tuple[int, ...] = (1,), optional: bool = Tru
 
 
 VLLM_BACKEND_INPUTS = (
-    _t("text_input", "STRING", optional=False),
+    # Optional in the config although required: Triton 2.51's ensemble drops a
+    # request missing a required input without any error, so preprocessing
+    # checks for it and answers with a clear one.
+    _t("text_input", "STRING"),
     _t("stream", "BOOL"),
     _t("sampling_parameters", "STRING"),
     _t("exclude_input_in_output", "BOOL"),
