@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import locale
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
+
+from a3b_backend.request import RequestError
 
 
 def use_utf8_locale() -> None:
@@ -38,3 +40,26 @@ def response(pb_utils: Any, arrays: Mapping[str, np.ndarray]) -> Any:
 def error_response(pb_utils: Any, message: str, invalid_argument: bool = True) -> Any:
     code = pb_utils.TritonError.INVALID_ARG if invalid_argument else pb_utils.TritonError.INTERNAL
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+def load_tokenizer(args: Mapping[str, str]) -> Any:
+    from transformers import AutoTokenizer
+
+    from a3b_backend.profiles import get_profile
+
+    return AutoTokenizer.from_pretrained(get_profile().resolve_model_dir(project_root(args)))
+
+
+def respond_each(pb_utils: Any, requests: Iterable[Any], input_names: Iterable[str],
+                 handle: Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]], stage: str) -> list[Any]:
+    """One response per request; a failure answers that request and no other."""
+    names = tuple(input_names)
+    responses = []
+    for request in requests:
+        try:
+            responses.append(response(pb_utils, handle(read_inputs(pb_utils, request, names))))
+        except RequestError as exc:
+            responses.append(error_response(pb_utils, str(exc)))
+        except Exception as exc:  # a bug must answer this request, not kill the model
+            responses.append(error_response(pb_utils, f"{stage} failed: {exc!r}", invalid_argument=False))
+    return responses

@@ -1,0 +1,33 @@
+"""postprocessing on hand-made engine steps (no Triton, no engine)."""
+import json
+
+import numpy as np
+
+from a3b_backend.postprocess import step_outputs
+
+
+def step(tokenizer, context, new, finish="", stop_reason="", echo="", stop=()):
+    config = {"echo": echo, "stop": list(stop), "include_stop_str_in_output": False, "skip_special_tokens": True}
+    return {
+        "token_ids": np.asarray(new, np.int32), "context_ids": np.asarray(context, np.int32),
+        "finish_reason": np.array([finish.encode()], object), "stop_reason": np.array([stop_reason.encode()], object),
+        "cumulative_logprob": np.array([-1.5], np.float32), "token_logprobs": np.array([-0.5] * len(new), np.float32),
+        "logprobs": np.array([b""], object), "num_input_tokens": np.array([7], np.uint32),
+        "num_output_tokens": np.array([len(context) + len(new)], np.uint32),
+        "postprocess_config": np.array([json.dumps(config).encode()], object),
+    }
+
+
+def test_echo_only_on_final_and_fields_pass_through(tokenizer):
+    ids = tokenizer.encode(" Paris.", add_special_tokens=False)
+    out = step_outputs(step(tokenizer, [], ids, finish="stop", echo="Capital:"), tokenizer)
+    assert out["text_output"][0].decode() == "Capital: Paris."
+    assert out["finish_reason"][0] == b"stop"
+    assert out["num_input_tokens"].dtype == np.uint32 and out["num_input_tokens"][0] == 7
+    assert out["output_log_probs"].tolist() == [-0.5] * len(ids)
+
+
+def test_final_step_cuts_the_stop_string(tokenizer):
+    ids = tokenizer.encode("yes END", add_special_tokens=False)
+    out = step_outputs(step(tokenizer, ids[:1], ids[1:], finish="stop", stop_reason="END", stop=("END",)), tokenizer)
+    assert out["text_output"][0].decode() == " "
