@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL_DIR ?= models/smollm2-135m-instruct
 
-.PHONY: setup model serve test test-unit render check-render clean
+.PHONY: setup model serve test test-unit render perf-tools bench-eager clean
 
 setup:
 	bash scripts/setup.sh
@@ -18,11 +18,17 @@ serve: setup model
 	bash scripts/serve.sh
 
 test: setup model
-	$(PY) -m a3b_backend.repository --check
 	$(PY) -m pytest -q tests
 
 test-unit: setup model
 	$(PY) -m pytest -q tests -m "not served"
+
+perf-tools:
+	bash scripts/perf_tools.sh
+
+# vLLM eager vs torch.compile on the cpu profile (why the cpu profile runs eager)
+bench-eager: setup model
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) perf/eager_vs_compiled.py
 
 clean:
 	rm -rf $(VENV) models

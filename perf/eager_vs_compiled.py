@@ -1,0 +1,70 @@
+"""vLLM eager vs torch.compile on the CPU profile's model: greedy answer, start time, decode speed.
+
+    .venv/bin/python perf/eager_vs_compiled.py            # both, one after the other
+    .venv/bin/python perf/eager_vs_compiled.py --mode eager
+
+Each mode runs in a fresh process (vLLM engines do not share one well).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+QUESTION = "What is the capital of France?"
+DECODE_TOKENS = 64
+
+
+def measure(mode: str) -> dict:
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from a3b_backend.profiles import get_profile
+
+    profile = get_profile("cpu")
+    args = profile.engine_args(ROOT)
+    args["enforce_eager"] = mode == "eager"
+    tokenizer = AutoTokenizer.from_pretrained(args["model"])
+    text = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
+                                         add_generation_prompt=True)
+    prompt = TokensPrompt(prompt_token_ids=tokenizer.encode(text, add_special_tokens=False))
+    start = time.perf_counter()
+    llm = LLM(**args)
+    started_s = time.perf_counter() - start
+    answer = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].text
+    start = time.perf_counter()
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=DECODE_TOKENS, ignore_eos=True))
+    tokens_per_s = DECODE_TOKENS / (time.perf_counter() - start)
+    return {"mode": mode, "start_s": round(started_s, 1), "decode_tokens_per_s": round(tokens_per_s, 1),
+            "greedy_answer": answer}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=("eager", "compiled"))
+    args = parser.parse_args()
+    if args.mode:
+        print("RESULT " + json.dumps(measure(args.mode)), flush=True)
+        return 0
+    rows = []
+    for mode in ("eager", "compiled"):
+        done = subprocess.run([sys.executable, __file__, "--mode", mode], capture_output=True, text=True)
+        line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+        if line is None:
+            print(done.stderr[-3000:], file=sys.stderr)
+            return 1
+        rows.append(json.loads(line[len("RESULT "):]))
+    print("| mode | engine start (s) | decode tokens/s | greedy answer |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['start_s']} | {r['decode_tokens_per_s']} | {r['greedy_answer']!r} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
