@@ -9,6 +9,17 @@ import numpy as np
 from a3b_backend.detokenize import DecodeRule, text_delta
 
 
+# Like vllm_backend, an output is sent only when its flag asks for it.
+OUTPUTS_BY_FLAG = {
+    "return_finish_reason": ("finish_reason",),
+    "return_cumulative_logprob": ("cumulative_logprob",),
+    "return_logprobs": ("logprobs",),
+    "return_num_input_tokens": ("num_input_tokens",),
+    "return_num_output_tokens": ("num_output_tokens",),
+    "return_log_probs": ("cum_log_probs", "output_log_probs"),
+}
+
+
 def _str(tensors: Mapping[str, np.ndarray], name: str) -> str:
     raw = tensors[name].reshape(-1)[0]
     return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
@@ -39,7 +50,7 @@ def step_outputs(tensors: Mapping[str, np.ndarray], tokenizer: Any) -> dict[str,
         text = config["echo"] + text
     cumulative = _float(tensors, "cumulative_logprob")
     token_logprobs = tensors["token_logprobs"].reshape(-1).astype(np.float32)
-    return {
+    outputs = {
         "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
         "finish_reason": np.array([finish_reason.encode()], dtype=np.object_),
         "cumulative_logprob": np.array([cumulative], dtype=np.float32),
@@ -49,3 +60,5 @@ def step_outputs(tensors: Mapping[str, np.ndarray], tokenizer: Any) -> dict[str,
         "cum_log_probs": np.array([cumulative], dtype=np.float32),
         "output_log_probs": token_logprobs,
     }
+    asked = {name for flag, names in OUTPUTS_BY_FLAG.items() if config.get("returns", {}).get(flag) for name in names}
+    return {name: value for name, value in outputs.items() if name == "text_output" or name in asked}

@@ -35,6 +35,7 @@ def postprocess_config(request: GenerationRequest) -> dict[str, Any]:
         "stop": request.sampling.get("stop", []),
         "include_stop_str_in_output": request.sampling.get("include_stop_str_in_output", False),
         "skip_special_tokens": request.sampling.get("skip_special_tokens", True),
+        "returns": request.returns,
     }
 
 

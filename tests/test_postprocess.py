@@ -7,7 +7,8 @@ from a3b_backend.postprocess import step_outputs
 
 
 def step(tokenizer, context, new, finish="", stop_reason="", echo="", stop=()):
-    config = {"echo": echo, "stop": list(stop), "include_stop_str_in_output": False, "skip_special_tokens": True}
+    config = {"echo": echo, "stop": list(stop), "include_stop_str_in_output": False, "skip_special_tokens": True,
+              "returns": {"return_finish_reason": True, "return_num_input_tokens": True, "return_log_probs": True}}
     return {
         "token_ids": np.asarray(new, np.int32), "context_ids": np.asarray(context, np.int32),
         "finish_reason": np.array([finish.encode()], object), "stop_reason": np.array([stop_reason.encode()], object),
@@ -25,6 +26,7 @@ def test_echo_only_on_final_and_fields_pass_through(tokenizer):
     assert out["finish_reason"][0] == b"stop"
     assert out["num_input_tokens"].dtype == np.uint32 and out["num_input_tokens"][0] == 7
     assert out["output_log_probs"].tolist() == [-0.5] * len(ids)
+    assert "num_output_tokens" not in out and "logprobs" not in out
 
 
 def test_final_step_cuts_the_stop_string(tokenizer):

@@ -92,12 +92,18 @@ def test_trtllm_style_request_and_stop_words(server):
         "top_p": np.array([1.0], np.float32),
         "seed": np.array([7], np.uint64),
         "stop_words": ["Paris"],
+        "return_finish_reason": True,
     }
     responses, error = stream_infer(server.grpc_url, "ensemble", inputs)
     assert error is None
     text = "".join(texts(responses))
     assert "Paris" not in text and "capital" in text
     assert responses[-1]["finish_reason"].reshape(-1)[0] == b"stop"
+
+
+def test_outputs_are_sent_only_when_asked(server):
+    responses, error = stream_infer(server.grpc_url, "ensemble", text_request(CAPITAL, False, GREEDY))
+    assert error is None and set(responses[0]) == {"text_output"}
 
 
 def test_logprobs_fields(server):
@@ -117,7 +123,8 @@ def test_eight_concurrent_streams(server):
     sampling = {"temperature": 0, "max_tokens": 24}
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(
-            lambda p: stream_infer(server.grpc_url, "ensemble", text_request(p, True, sampling)), prompts))
+            lambda p: stream_infer(server.grpc_url, "ensemble",
+                                   text_request(p, True, sampling, return_finish_reason=True)), prompts))
     for prompt, (responses, error) in zip(prompts, results):
         assert error is None, prompt
         assert responses[-1]["finish_reason"].reshape(-1)[0] in (b"length", b"stop")
