@@ -1,0 +1,1 @@
+"""A3B weight quantization: format, baselines, calibration, converter and quality report."""

@@ -1,0 +1,98 @@
+"""A3B format: codes, lookup-table dequantize, error bounds, packing, edge cases."""
+import pytest
+import torch
+
+from a3b_backend.quant.baselines import RtnConfig, quantize_dequantize
+from a3b_backend.quant.format import (A3BConfig, A3BWeight, QuantizationError, dequantize, pack_codes, quantize,
+                                      table_params, unpack_codes)
+
+CONFIGS = [A3BConfig(1, 64), A3BConfig(1, 128), A3BConfig(64, 64), A3BConfig(4, 32)]
+
+
+def fresh(shape, scale=0.02):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(torch.seed() % 2**31)) * scale
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.block_rows}x{c.block_cols}")
+def test_dequantize_equals_lookup_table_formula(config):
+    w = fresh((130, 200))  # not divisible by any block shape
+    q = quantize(w, config)
+    codes = unpack_codes(q.packed)
+    assert int(codes.max()) <= 15
+    lo, step, d = table_params(q)
+    R, C = config.block_rows, config.block_cols
+    rows = torch.arange(codes.shape[0])[:, None] // R
+    cols = torch.arange(codes.shape[1])[None, :] // C
+    k, s = (codes >> 1).float(), (codes & 1).float()
+    expected = lo[rows, cols] + k * step[rows, cols] + (2 * s - 1) * d[rows, cols]
+    assert torch.equal(dequantize(q, config), expected[:130, :200])
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.block_rows}x{c.block_cols}")
+def test_error_bounded_by_block_range(config):
+    w = fresh((128, 256))
+    dq = dequantize(quantize(w, config), config)
+    R, C = config.block_rows, config.block_cols
+    blocks = w.reshape(128 // R, R, 256 // C, C)
+    err = (dq - w).abs().reshape(128 // R, R, 256 // C, C)
+    span = blocks.amax((1, 3)) - blocks.amin((1, 3))
+    # The uniform start grid is within span/32 of every weight; the squared-error
+    # fit may trade the tails for the bulk, but never past an eighth of the span.
+    assert (err.amax((1, 3)) <= span / 8 + 1e-7).all()
+
+
+def test_beats_int4_rtn_g128_on_gaussian_weights():
+    w = fresh((512, 1024))
+    a3b = dequantize(quantize(w, A3BConfig(1, 128)), A3BConfig(1, 128))
+    int4, _ = quantize_dequantize(w, RtnConfig(4, 128))
+    assert (a3b - w).norm() < (int4 - w).norm()
+
+
+def test_pack_unpack_round_trip():
+    codes = torch.randint(0, 16, (33, 64), dtype=torch.uint8)
+    assert torch.equal(unpack_codes(pack_codes(codes)), codes)
+
+
+@pytest.mark.parametrize("w", [
+    torch.zeros(64, 128), torch.full((64, 128), 0.37), torch.full((64, 128), -5.0),
+    fresh((64, 128), scale=1e-6), fresh((64, 128), scale=1e5),
+], ids=["zeros", "constant", "negative-constant", "tiny", "huge"])
+def test_edge_blocks(w):
+    config = A3BConfig(1, 64)
+    dq = dequantize(quantize(w, config), config)
+    assert torch.isfinite(dq).all()
+    span = (w.amax() - w.amin()).item()
+    assert (dq - w).abs().max().item() <= max(span * 0.1, w.abs().max().item() * 0.01) + 1e-9
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_by_name(bad):
+    w = torch.zeros(8, 64)
+    w[3, 5] = bad
+    with pytest.raises(QuantizationError, match="'layers.0.q_proj.weight' holds NaN or Inf"):
+        quantize(w, A3BConfig(1, 64), name="layers.0.q_proj.weight")
+
+
+def test_missing_metadata_is_named():
+    q = quantize(fresh((8, 64)), A3BConfig(1, 64))
+    tensors = q.tensors("m.weight")
+    del tensors["m.weight_delta"]
+    with pytest.raises(QuantizationError, match="m.weight_delta"):
+        A3BWeight.from_tensors(tensors, "m.weight")
+
+
+def test_activation_weighting_lowers_output_error_with_an_outlier_channel():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 128, generator=gen) * 0.02
+    x = torch.randn(256, 128, generator=gen)
+    x[:, 7] *= 50  # one input channel carries outlier activations
+    config = A3BConfig(1, 128)
+    plain = dequantize(quantize(w, config), config)
+    aware = dequantize(quantize(w, config, col_importance=(x ** 2).mean(0)), config)
+    ref = x @ w.T
+    assert (x @ aware.T - ref).norm() < (x @ plain.T - ref).norm()
+
+
+def test_bad_block_shape_is_refused():
+    with pytest.raises(QuantizationError, match="block shape 1x63"):
+        A3BConfig(1, 63)
