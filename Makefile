@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL_DIR ?= models/smollm2-135m-instruct
 
-.PHONY: setup model serve test test-unit render perf-tools bench-eager clean
+.PHONY: setup model serve test test-unit render perf-tools bench-eager quality clean
 
 setup:
 	bash scripts/setup.sh
@@ -29,6 +29,10 @@ perf-tools:
 # vLLM eager vs torch.compile on the cpu profile (why the cpu profile runs eager)
 bench-eager: setup model
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) perf/eager_vs_compiled.py
+
+# A3B vs bf16 / RTN baselines: perplexity, bits per weight, table + plot under perf/quality
+quality: setup model
+	$(PY) -m a3b_backend.quant.quality
 
 clean:
 	rm -rf $(VENV) models

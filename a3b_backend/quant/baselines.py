@@ -25,6 +25,8 @@ def quantize_dequantize(w: torch.Tensor, config: RtnConfig) -> tuple[torch.Tenso
     zero = (-lo / scale).round().clamp(0, top).half().float()
     codes = ((g / scale).round() + zero).clamp(0, top)
     deq = ((codes - zero) * scale).reshape(out, -1)[:, :inp]
-    packed = np.packbits(((codes.to(torch.int64).numpy()[..., None] >> np.arange(config.bits)) & 1).astype(np.uint8))
+    # Stored without the padding: a partial last group costs only its scale and zero.
+    stored = codes.reshape(out, -1)[:, :inp].to(torch.int64).numpy()
+    packed = np.packbits(((stored[..., None] >> np.arange(config.bits)) & 1).astype(np.uint8))
     nbytes = packed.nbytes + 2 * 2 * g.shape[0]
     return deq, nbytes

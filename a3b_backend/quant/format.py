@@ -16,7 +16,7 @@ per block `lo` is int8 and `step` uint8 against per-block-row bf16 scales, and
 `d` is uint8 as a fraction of the block's step (d = step * d_q / 255).
 
 On-disk tensors for a linear weight `NAME.weight` (see docs/a3b_format.md):
-  NAME.weight_packed      uint8 [out_p, in_p/2]  codes, low nibble = even column
+  NAME.weight_packed      uint8 [out, ceil(in/2)] codes, low nibble = even column
   NAME.weight_lo          int8  [out_p/R, in_p/C]
   NAME.weight_step        uint8 [out_p/R, in_p/C]
   NAME.weight_delta       uint8 [out_p/R, in_p/C]
@@ -215,24 +215,26 @@ def quantize(w: torch.Tensor, config: A3BConfig = A3BConfig(), col_importance: t
     flo, fstep, fd = (t.reshape(-1, 1) for t in table_params(q))
     k, plus = assign(wb, flo, fstep, fd)
     codes = from_blocks((k.to(torch.uint8) << 1) | plus.to(torch.uint8), nbr, nbc, R, C)
-    q.packed = pack_codes(codes)
+    # Padding codes are not stored: a partial last block costs only its metadata.
+    q.packed = pack_codes(codes[:out, : inp + inp % 2])
     return q
 
 
 def dequantize(q: A3BWeight, config: A3BConfig) -> torch.Tensor:
     """A3B -> float32 W[out, in]: one 16-entry table lookup per weight."""
     R, C = config.block_rows, config.block_cols
-    codes = unpack_codes(q.packed)
+    out, inp = q.shape.tolist()
     nbr, nbc = q.lo.shape
-    if codes.shape != (nbr * R, nbc * C):
+    if q.packed.shape != (out, (inp + 1) // 2) or (nbr, nbc) != (-(-out // R), -(-inp // C)):
         raise QuantizationError(
-            f"A3B codes have shape {list(codes.shape)} but the metadata describes {nbr}x{nbc} blocks of {R}x{C}"
+            f"A3B tensors disagree: codes {list(q.packed.shape)} and {nbr}x{nbc} blocks of {R}x{C} "
+            f"for a weight of shape [{out}, {inp}]"
         )
+    codes = _padded(unpack_codes(q.packed), R, C)
     lo, step, d = table_params(q)
     k = torch.arange(16) >> 1
     sign = (torch.arange(16) & 1).float() * 2 - 1
     tables = lo.reshape(-1, 1) + k.float() * step.reshape(-1, 1) + sign * d.reshape(-1, 1)  # [nb, 16]
     block_codes = to_blocks(codes.long(), R, C)
     values = torch.gather(tables, 1, block_codes)
-    out, inp = q.shape.tolist()
     return from_blocks(values, nbr, nbc, R, C)[:out, :inp]

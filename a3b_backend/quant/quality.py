@@ -1,0 +1,191 @@
+"""Quality report: perplexity and weight error of A3B variants against bf16 and RTN baselines.
+
+    a3b-quality [--model models/smollm2-135m-instruct] [--out perf/quality]
+
+Evaluation text: the Python language reference shipped with CPython
+(`pydoc_data.topics`); calibration text: the GNU GPL v3 text shipped by Debian
+(`/usr/share/common-licenses/GPL-3`). Different texts, both real English.
+Bits per weight are measured: bytes of the stored quantized tensors (codes and
+all metadata) over the number of weights.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from a3b_backend.quant import calibrate
+from a3b_backend.quant.baselines import RtnConfig, quantize_dequantize
+from a3b_backend.quant.format import A3BConfig, dequantize, quantize
+
+ROOT = Path(__file__).resolve().parents[2]
+CALIBRATION_TEXT = Path("/usr/share/common-licenses/GPL-3")
+SEQ_LEN = 512
+
+
+@dataclasses.dataclass
+class Variant:
+    name: str
+    family: str  # "bf16" | "A3B" | "INT4" | "INT3" ...
+    aware: bool
+    # (weight, importance or None) -> (dequantized weight, bytes on disk)
+    run: Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, int]] | None
+
+
+def _a3b(config: A3BConfig):
+    def run(w, importance):
+        q = quantize(w, config, col_importance=importance)
+        return dequantize(q, config), q.nbytes()
+    return run
+
+
+def _rtn(config: RtnConfig):
+    return lambda w, _importance: quantize_dequantize(w, config)
+
+
+def variants() -> list[Variant]:
+    out = [Variant("bf16", "bf16", False, None)]
+    for bits, group in ((4, 128), (3, 128), (4, 32)):
+        out.append(Variant(f"INT{bits} RTN g{group}", f"INT{bits} g{group}", False, _rtn(RtnConfig(bits, group))))
+    out.append(Variant("INT4 RTN g128 + AWQ", "INT4 g128", True, _rtn(RtnConfig(4, 128))))
+    for rows, cols in ((64, 64), (1, 64), (1, 128)):
+        for aware in (False, True):
+            label = f"A3B {rows}x{cols}" + (" + calib" if aware else "")
+            out.append(Variant(label, f"A3B {rows}x{cols}", aware, _a3b(A3BConfig(rows, cols))))
+    return out
+
+
+def eval_text() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+@torch.no_grad()
+def perplexity(model, ids: torch.Tensor) -> float:
+    total, count = 0.0, 0
+    for start in range(0, ids.numel() - 1, SEQ_LEN):
+        window = ids[start:start + SEQ_LEN + 1]
+        if window.numel() < 2:
+            break
+        logits = model(window[:-1].unsqueeze(0)).logits[0]
+        total += torch.nn.functional.cross_entropy(logits.float(), window[1:], reduction="sum").item()
+        count += window.numel() - 1
+    return math.exp(total / count)
+
+
+@torch.no_grad()
+def apply_variant(model, originals, stats, variant: Variant) -> dict:
+    nbytes, weights, rel_errors = 0, 0, []
+    for name, module in tqdm(calibrate.quantized_linears(model).items(), desc=variant.name, unit="linear",
+                             leave=False):
+        w = originals[name]
+        importance, scale = None, None
+        if variant.aware:
+            scale = calibrate.awq_scale(stats[name])
+            importance = stats[name].importance / scale**2
+        target = w * scale if scale is not None else w
+        deq, size = variant.run(target, importance)
+        if scale is not None:
+            deq = deq / scale
+        module.weight.copy_(deq.to(module.weight.dtype))
+        nbytes += size
+        weights += w.numel()
+        rel_errors.append(((deq - w).norm() / w.norm()).item())
+    return {"bits_per_weight": 8 * nbytes / weights, "quantized_bytes": nbytes,
+            "weight_error": sum(rel_errors) / len(rel_errors)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=ROOT / "models" / "smollm2-135m-instruct")
+    parser.add_argument("--out", type=Path, default=ROOT / "perf" / "quality")
+    parser.add_argument("--eval-tokens", type=int, default=8192)
+    parser.add_argument("--calibration-tokens", type=int, default=2048)
+    parser.add_argument("--only", nargs="*", help="variant names to run (default: all)")
+    args = parser.parse_args(argv)
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval().requires_grad_(False)
+    eval_ids = torch.tensor(tokenizer.encode(eval_text())[: args.eval_tokens])
+    calib_ids = torch.tensor(tokenizer.encode(calibrate.load_text(CALIBRATION_TEXT))[: args.calibration_tokens])
+    stats = calibrate.collect(model, calib_ids, SEQ_LEN)
+    linears = calibrate.quantized_linears(model)
+    originals = {n: m.weight.detach().clone() for n, m in linears.items()}
+    other_bytes = sum(p.numel() * 2 for n, p in model.named_parameters()
+                      if n.removesuffix(".weight") not in linears)
+    rows = []
+    chosen = [v for v in variants() if not args.only or v.name in args.only]
+    for variant in tqdm(chosen, desc="variants", unit="variant"):
+        start = time.time()
+        if variant.run is None:
+            result = {"bits_per_weight": 16.0, "quantized_bytes": sum(w.numel() * 2 for w in originals.values()),
+                      "weight_error": 0.0}
+        else:
+            result = apply_variant(model, originals, stats, variant)
+        result.update(name=variant.name, family=variant.family, aware=variant.aware,
+                      perplexity=perplexity(model, eval_ids), file_bytes=other_bytes + result["quantized_bytes"],
+                      seconds=round(time.time() - start, 1))
+        rows.append(result)
+        tqdm.write(json.dumps(result))
+        for name, module in linears.items():
+            module.weight.copy_(originals[name])
+    write_report(rows, args, tokenizer_name=args.model.name, eval_tokens=eval_ids.numel(),
+                 calib_tokens=calib_ids.numel())
+    return 0
+
+
+def write_report(rows: list[dict], args, tokenizer_name: str, eval_tokens: int, calib_tokens: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(rows, indent=2))
+    base = next((r["perplexity"] for r in rows if r["family"] == "bf16"), float("nan"))
+    lines = [
+        f"# A3B quality report: {tokenizer_name}", "",
+        f"Command: `make quality` (`a3b-quality`). Evaluation: {eval_tokens} tokens of the Python language "
+        f"reference (CPython `pydoc_data.topics`), windows of {SEQ_LEN}. Calibration: {calib_tokens} tokens of "
+        "the GNU GPL v3 text (`/usr/share/common-licenses/GPL-3`).", "",
+        "The default model's weights were rebuilt from a Q4_1 GGUF (4-bit, 32-weight blocks), so they already "
+        "sit on a 4-bit grid per 32 weights: INT4 g32 can recover them almost exactly and every other format "
+        "is measured against weights that were once 4-bit.", "",
+        "| variant | bits/weight (measured) | perplexity | delta vs bf16 | mean rel. weight error | file size (MB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['bits_per_weight']:.3f} | {r['perplexity']:.2f} | "
+                     f"{r['perplexity'] - base:+.2f} | {r['weight_error']:.4f} | {r['file_bytes'] / 1e6:.1f} |")
+    (args.out / "report.md").write_text("\n".join(lines) + "\n")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for family in sorted({r["family"] for r in rows if r["family"] != "bf16"}):
+        for aware, marker in ((False, "o"), (True, "^")):
+            pts = [r for r in rows if r["family"] == family and r["aware"] == aware]
+            if pts:
+                ax.scatter([p["bits_per_weight"] for p in pts], [p["perplexity"] for p in pts], marker=marker,
+                           label=family + (" + calib" if aware else ""))
+    ax.axhline(base, color="gray", linestyle="--", label="bf16")
+    ax.set_xlabel("bits per weight (measured, incl. metadata)")
+    ax.set_ylabel("perplexity")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    ax.set_title(f"{tokenizer_name}: perplexity vs bits per weight")
+    fig.tight_layout()
+    fig.savefig(args.out / "ppl_vs_bpw.png", dpi=120)
+    print(f"wrote {args.out / 'report.md'} and {args.out / 'ppl_vs_bpw.png'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
