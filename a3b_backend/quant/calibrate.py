@@ -5,9 +5,10 @@ value of each input channel over calibration text. Two uses:
 - importance weights for the fit (mean x^2 per column: the diagonal of the
   layer's input Hessian, so the fit minimizes output error, not weight error);
 - an AWQ-style per-channel scale s = mean|x|^alpha that enlarges salient
-  columns before quantizing; W ~ Q(W diag(s)) diag(1/s). Layers that share an
-  input (q/k/v after input_layernorm, gate/up after post_attention_layernorm)
-  share s, so it can be folded into that RMSNorm's weight.
+  columns before quantizing; W ~ Q(W diag(s)) diag(1/s). Only where 1/s folds
+  into the preceding RMSNorm (q/k/v after input_layernorm, gate/up after
+  post_attention_layernorm, which share their input and so their s); other
+  layers get the importance weighting alone, so no runtime op is needed.
 """
 from __future__ import annotations
 
@@ -19,11 +20,22 @@ import torch
 from tqdm import tqdm
 
 # Linear layers quantized by default; embeddings, norms, lm_head and MoE routers stay.
+# (Gated DeltaNet's small in_proj_a/in_proj_b gate projections stay too.)
 QUANTIZED = re.compile(
-    r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|"
-    r"in_proj_b|in_proj_a|out_proj)$|\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"
+    r"\.layers\.\d+\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|in_proj_qkvz|in_proj_qkv|"
+    r"in_proj_z|out_proj)$"
 )
 ALPHA = 0.5
+# Inputs that come straight from an RMSNorm, whose weight can absorb 1/s
+# (dense decoder layers; MoE experts share their norm with the router).
+FOLDABLE = re.compile(r"\.layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj)|mlp\.(gate_proj|up_proj))$")
+NORM_OF = {"self_attn": "input_layernorm", "mlp": "post_attention_layernorm"}
+
+
+def norm_for(linear_name: str) -> str:
+    """The RMSNorm whose weight absorbs the AWQ scale of a foldable linear."""
+    layer, block, _proj = linear_name.rsplit(".", 2)
+    return f"{layer}.{NORM_OF[block]}"
 
 
 @dataclasses.dataclass

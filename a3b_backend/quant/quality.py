@@ -90,8 +90,10 @@ def apply_variant(model, originals, stats, variant: Variant) -> dict:
         w = originals[name]
         importance, scale = None, None
         if variant.aware:
-            scale = calibrate.awq_scale(stats[name])
-            importance = stats[name].importance / scale**2
+            importance = stats[name].importance
+            if calibrate.FOLDABLE.search(name):
+                scale = calibrate.awq_scale(stats[name])
+                importance = importance / scale**2
         target = w * scale if scale is not None else w
         deq, size = variant.run(target, importance)
         if scale is not None:

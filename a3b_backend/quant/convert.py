@@ -1,0 +1,184 @@
+"""a3b-quantize: HF safetensors checkpoint -> A3B checkpoint, one tensor at a time.
+
+    a3b-quantize SRC_DIR DST_DIR [--block-shape R C] [--calibration-text FILE]
+
+Linear weights of the decoder layers (attention, MLP, MoE experts, shared
+experts, Gated DeltaNet projections) become A3B tensors; embeddings, norms,
+lm_head, MoE routers and everything else are copied as they are. Tensors are
+read and written shard by shard, so memory holds one shard, not the model.
+With --calibration-text the source model is run once over that text (this
+needs it in memory) for activation statistics: importance-weighted fits for
+every layer, AWQ scales where they fold into an RMSNorm.
+
+The result is written to DST_DIR.partial and renamed to DST_DIR only when
+complete, so a failed run never leaves a checkpoint that looks whole.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from a3b_backend.quant import calibrate
+from a3b_backend.quant.format import A3BConfig, QuantizationError, quantize
+
+KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
+# Experts stored stacked as 3-D tensors [experts, out, in] in some checkpoints.
+STACKED_EXPERTS = re.compile(r"\.layers\.\d+\..*experts\.(gate_up_proj|gate_proj|up_proj|down_proj)$")
+COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+class ConversionError(ValueError):
+    pass
+
+
+def check_paths(src: Path, dst: Path) -> dict:
+    if not (src / "config.json").is_file():
+        raise ConversionError(f"{src} is not an HF checkpoint: config.json is missing")
+    if not sorted(src.glob("*.safetensors")):
+        found = ", ".join(p.name for p in src.iterdir() if p.suffix in (".bin", ".pt", ".gguf")) or "none"
+        raise ConversionError(f"{src} has no .safetensors weights (found: {found}); only safetensors are read")
+    src_r, dst_r = src.resolve(), dst.resolve()
+    if dst_r == src_r or src_r in dst_r.parents or dst_r in src_r.parents:
+        raise ConversionError(f"destination {dst} would overwrite or nest inside the source {src}")
+    if dst.exists() and any(dst.iterdir()):
+        raise ConversionError(f"destination {dst} exists and is not empty; remove it or choose another")
+    config = json.loads((src / "config.json").read_text())
+    model_type = config.get("model_type", "?")
+    if model_type not in KNOWN_MODEL_TYPES:
+        raise ConversionError(
+            f"architecture '{model_type}' ({config.get('architectures')}) is unknown to the converter: it cannot "
+            f"tell which tensors are linear layers; known: {', '.join(KNOWN_MODEL_TYPES)}"
+        )
+    if "quantization_config" in config:
+        raise ConversionError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
+    return config
+
+
+def calibration_transform(src: Path, text_path: Path, tokens: int) -> tuple[dict, dict]:
+    """Per-linear importance and AWQ scale, and per-norm scales to divide by."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval().requires_grad_(False)
+    ids = torch.tensor(tokenizer.encode(calibrate.load_text(text_path))[:tokens])
+    stats = calibrate.collect(model, ids)
+    per_linear, per_norm = {}, {}
+    for name, st in stats.items():
+        scale = calibrate.awq_scale(st) if calibrate.FOLDABLE.search(name) else None
+        per_linear[name] = (st.importance, scale)
+        if scale is not None:
+            per_norm[calibrate.norm_for(name)] = scale
+    return per_linear, per_norm
+
+
+def _quantized(name: str, tensor: torch.Tensor, config: A3BConfig, calibration: dict) -> dict[str, torch.Tensor]:
+    module = name.removesuffix(".weight")
+    importance, scale = calibration.get(module, (None, None))
+    w = tensor.float()
+    if scale is not None:
+        w = w * scale
+        importance = importance / scale**2
+    return quantize(w, config, col_importance=importance, name=name).tensors(name)
+
+
+def _stacked(name: str, tensor: torch.Tensor, config: A3BConfig) -> dict[str, torch.Tensor]:
+    parts = [quantize(tensor[e].float(), config, name=f"{name}[{e}]").tensors(name) for e in range(tensor.shape[0])]
+    return {key: torch.stack([p[key] for p in parts]) for key in parts[0]}
+
+
+def convert_tensor(name: str, tensor: torch.Tensor, config: A3BConfig, calibration: dict,
+                   norm_scales: dict) -> tuple[dict[str, torch.Tensor], int]:
+    """-> (output tensors, number of weights quantized)."""
+    module = name.removesuffix(".weight")
+    if name.endswith(".weight") and tensor.ndim == 2 and calibrate.QUANTIZED.search(module):
+        return _quantized(name, tensor, config, calibration), tensor.numel()
+    if tensor.ndim == 3 and STACKED_EXPERTS.search(name):
+        return _stacked(name, tensor, config), tensor.numel()
+    if module in norm_scales:
+        return {name: (tensor.float() / norm_scales[module]).to(tensor.dtype)}, 0
+    return {name: tensor}, 0
+
+
+def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | None = None,
+            calibration_tokens: int = 2048) -> Path:
+    model_config = check_paths(src, dst)
+    calibration, norm_scales = ({}, {})
+    if calibration_text is not None:
+        calibration, norm_scales = calibration_transform(src, calibration_text, calibration_tokens)
+    partial = dst.with_name(dst.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        shards = sorted(src.glob("*.safetensors"))
+        index, total, quantized_weights = {}, 0, 0
+        with tqdm(total=sum(_count(s) for s in shards), desc="quantizing", unit="tensor") as bar:
+            for shard in shards:
+                out: dict[str, torch.Tensor] = {}
+                with safe_open(shard, "pt") as f:
+                    for name in f.keys():
+                        tensors, n = convert_tensor(name, f.get_tensor(name), config, calibration, norm_scales)
+                        out.update(tensors)
+                        quantized_weights += n
+                        bar.update()
+                save_file(out, partial / shard.name, metadata={"format": "pt"})
+                index.update({k: shard.name for k in out})
+                total += sum(t.numel() * t.element_size() for t in out.values())
+        if quantized_weights == 0:
+            raise ConversionError(f"no linear layer of {src} matched the A3B layer pattern; nothing was quantized")
+        if len(shards) > 1:
+            (partial / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1))
+        model_config["quantization_config"] = {
+            **config.to_json(), "calibrated": calibration_text is not None, "awq_alpha": calibrate.ALPHA,
+            "quantized_layers": calibrate.QUANTIZED.pattern,
+        }
+        (partial / "config.json").write_text(json.dumps(model_config, indent=2))
+        for fname in COPIED_FILES:
+            if (src / fname).exists():
+                shutil.copy2(src / fname, partial / fname)
+        if dst.exists():  # empty, as check_paths made sure
+            dst.rmdir()
+        os.replace(partial, dst)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return dst
+
+
+def _count(shard: Path) -> int:
+    with safe_open(shard, "pt") as f:
+        return len(list(f.keys()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("src", type=Path)
+    parser.add_argument("dst", type=Path)
+    parser.add_argument("--block-shape", type=int, nargs=2, metavar=("R", "C"), default=(1, 128))
+    parser.add_argument("--iterations", type=int, default=A3BConfig.iterations)
+    parser.add_argument("--calibration-text", type=Path, help="text file for activation-aware calibration")
+    parser.add_argument("--calibration-tokens", type=int, default=2048)
+    args = parser.parse_args(argv)
+    try:
+        config = A3BConfig(args.block_shape[0], args.block_shape[1], iterations=args.iterations)
+        convert(args.src, args.dst, config, args.calibration_text, args.calibration_tokens)
+    except (ConversionError, QuantizationError) as exc:
+        print(f"a3b-quantize: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.dst}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
