@@ -17,21 +17,22 @@ log = logging.getLogger(__name__)
 
 
 class EngineHost:
-    def __init__(self, engine_args: dict[str, Any], env: dict[str, str] | None = None):
+    def __init__(self, engine_args: dict[str, Any], env: dict[str, str] | None = None,
+                 stat_loggers: list | None = None):
         for key, value in (env or {}).items():
             os.environ.setdefault(key, value)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="a3b-engine-loop", daemon=True)
         self._thread.start()
         self._in_flight: dict[str, concurrent.futures.Future] = {}
-        self.engine = self.call(self._build(engine_args))
+        self.engine = self.call(self._build(engine_args, stat_loggers or []))
 
     @staticmethod
-    async def _build(engine_args: dict[str, Any]):
+    async def _build(engine_args: dict[str, Any], stat_loggers: list):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args), stat_loggers=stat_loggers)
 
     def call(self, coro: Coroutine, timeout: float | None = None) -> Any:
         """Run a coroutine on the engine loop and wait for its result."""

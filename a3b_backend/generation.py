@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from a3b_backend.detokenize import DecodeRule
-from a3b_backend.request import Limits, RequestError, finalize_sampling, parse_sampling_json
+from a3b_backend.request import Limits, check_token_ids, finalize_sampling, parse_sampling_json
 
 # Validated for clear errors, but not SamplingParams fields in vLLM 0.32.
 _NOT_ENGINE_FIELDS = ("best_of", "use_beam_search")
@@ -59,8 +59,7 @@ class LlmRequest:
 
 
 def parse_llm_request(prompt_ids: list[int], sampling_json: str, stream: bool, limits: Limits) -> LlmRequest:
-    if not prompt_ids:
-        raise RequestError("input 'input_ids' is empty; at least one token id is required")
+    check_token_ids(prompt_ids, limits)
     sampling = finalize_sampling(parse_sampling_json(sampling_json), len(prompt_ids), limits)
     return LlmRequest(prompt_ids=prompt_ids, sampling=sampling, stream=stream)
 

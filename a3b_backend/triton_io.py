@@ -63,3 +63,9 @@ def respond_each(pb_utils: Any, requests: Iterable[Any], input_names: Iterable[s
         except Exception as exc:  # a bug must answer this request, not kill the model
             responses.append(error_response(pb_utils, f"{stage} failed: {exc!r}", invalid_argument=False))
     return responses
+
+
+def busy_response(pb_utils: Any, in_flight: int, limit: int) -> Any:
+    message = (f"server busy: {in_flight} requests in flight, the limit is {limit} "
+               "(profile max_in_flight); retry later")
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE))

@@ -3,12 +3,14 @@ from a3b_backend import triton_io
 
 triton_io.use_utf8_locale()
 
+import dataclasses  # noqa: E402
 import uuid  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from a3b_backend.engine import EngineHost  # noqa: E402
 from a3b_backend.generation import LlmRequest, StepTracker, parse_llm_request, step_arrays  # noqa: E402
+from a3b_backend.metrics import TritonMetrics  # noqa: E402
 from a3b_backend.profiles import get_profile, request_limits  # noqa: E402
 from a3b_backend.request import RequestError  # noqa: E402
 
@@ -24,15 +26,23 @@ def _str(tensors, name):
 class TritonPythonModel:
     def initialize(self, args):
         profile = get_profile()
-        self.limits = request_limits(profile)
+        self.max_in_flight = profile.max_in_flight
+        self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
         self.host = EngineHost(
             profile.engine_args(triton_io.project_root(args)),
             env={"VLLM_CPU_KVCACHE_SPACE": str(profile.cpu_kv_cache_gib)},
+            stat_loggers=[self.metrics.stat_logger_factory()],
         )
+        vocab_size = self.host.engine.model_config.get_vocab_size()
+        self.limits = dataclasses.replace(request_limits(profile), vocab_size=vocab_size)
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            if self.host.in_flight >= self.max_in_flight:
+                self.metrics.metric["a3b_request_rejected_total"].increment(1)
+                sender.send(triton_io.busy_response(pb_utils, self.host.in_flight, self.max_in_flight), flags=FINAL)
+                continue
             try:
                 tensors = triton_io.read_inputs(pb_utils, request, INPUTS)
                 if "input_ids" not in tensors:
@@ -51,6 +61,7 @@ class TritonPythonModel:
             self.host.submit(
                 request_id, self._serve(request_id, sender, llm_request, _str(tensors, "postprocess_config"))
             )
+            self.metrics.metric["a3b_num_requests_in_flight"].set(self.host.in_flight)
         return None
 
     async def _serve(self, request_id: str, sender, llm_request: LlmRequest, postprocess_config: str):
@@ -72,6 +83,8 @@ class TritonPythonModel:
         finally:
             if not sent_final:
                 sender.send(flags=FINAL)
+            # The host drops this request from its count when the coroutine ends.
+            self.metrics.metric["a3b_num_requests_in_flight"].set(max(self.host.in_flight - 1, 0))
 
     def finalize(self):
         self.host.shutdown()
