@@ -62,7 +62,7 @@ TEXT_OUTPUTS = (
 )
 
 # preprocessing -> a3b_llm
-LLM_INPUTS = (
+LLM_REQUEST_INPUTS = (
     _t("input_ids", "INT32", (-1,), optional=False),
     _t("sampling_parameters", "STRING"),
     _t("stream", "BOOL"),
@@ -70,6 +70,11 @@ LLM_INPUTS = (
     # decoupled a3b_llm, so whatever it needs must travel through it.
     _t("postprocess_config", "STRING"),
 )
+# A control request: abort the generation with this request_id. Triton 2.51
+# does not pass an ensemble client's cancellation to a3b_llm, but
+# postprocessing sees it and forwards it with this.
+LLM_CONTROL_INPUTS = (_t("abort_request_id", "STRING"),)
+LLM_INPUTS = LLM_REQUEST_INPUTS + LLM_CONTROL_INPUTS
 # a3b_llm -> postprocessing (one set per engine step)
 LLM_OUTPUTS = (
     _t("token_ids", "INT32", (-1,)),
@@ -82,6 +87,7 @@ LLM_OUTPUTS = (
     _t("num_input_tokens", "UINT32", (1,)),
     _t("num_output_tokens", "UINT32", (1,)),
     _t("postprocess_config", "STRING", (1,)),
+    _t("request_id", "STRING", (1,)),
 )
-PREPROCESS_OUTPUTS = tuple(dataclasses.replace(t, optional=False) for t in LLM_INPUTS)
+PREPROCESS_OUTPUTS = tuple(dataclasses.replace(t, optional=False) for t in LLM_REQUEST_INPUTS)
 POSTPROCESS_INPUTS = tuple(dataclasses.replace(t, optional=False) for t in LLM_OUTPUTS)

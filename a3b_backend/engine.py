@@ -56,6 +56,11 @@ class EngineHost:
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
 
+    def submit_abort(self, request_id: str) -> None:
+        """Abort from any thread; unknown or finished ids are ignored."""
+        if request_id in self._in_flight:
+            asyncio.run_coroutine_threadsafe(self.abort(request_id), self._loop)
+
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)

@@ -108,7 +108,7 @@ class StepTracker:
         return sampled, json.dumps(listed)
 
 
-def step_arrays(step: Step, postprocess_config: str) -> dict[str, np.ndarray]:
+def step_arrays(step: Step, postprocess_config: str, request_id: str) -> dict[str, np.ndarray]:
     """The a3b_llm output tensors of one step."""
     return {
         "token_ids": np.asarray(step.token_ids, dtype=np.int32),
@@ -121,4 +121,5 @@ def step_arrays(step: Step, postprocess_config: str) -> dict[str, np.ndarray]:
         "num_input_tokens": np.array([step.num_input_tokens], dtype=np.uint32),
         "num_output_tokens": np.array([step.num_output_tokens], dtype=np.uint32),
         "postprocess_config": np.array([postprocess_config.encode("utf-8")], dtype=np.object_),
+        "request_id": np.array([request_id.encode()], dtype=np.object_),
     }

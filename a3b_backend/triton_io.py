@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import locale
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -51,11 +52,18 @@ def load_tokenizer(args: Mapping[str, str]) -> Any:
 
 
 def respond_each(pb_utils: Any, requests: Iterable[Any], input_names: Iterable[str],
-                 handle: Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]], stage: str) -> list[Any]:
-    """One response per request; a failure answers that request and no other."""
+                 handle: Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]], stage: str,
+                 cancelled: deque | None = None) -> list[Any]:
+    """One response per request; a failure answers that request and no other.
+    With `cancelled` (the ids last aborted, a bounded deque), client
+    cancellation is forwarded upstream."""
     names = tuple(input_names)
     responses = []
     for request in requests:
+        if cancelled is not None and forward_cancellation(pb_utils, request, cancelled):
+            responses.append(pb_utils.InferenceResponse(
+                error=pb_utils.TritonError("request cancelled by the client", pb_utils.TritonError.CANCELLED)))
+            continue
         try:
             responses.append(response(pb_utils, handle(read_inputs(pb_utils, request, names))))
         except RequestError as exc:
@@ -69,3 +77,21 @@ def busy_response(pb_utils: Any, in_flight: int, limit: int) -> Any:
     message = (f"server busy: {in_flight} requests in flight, the limit is {limit} "
                "(profile max_in_flight); retry later")
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE))
+
+
+def forward_cancellation(pb_utils: Any, request: Any, aborted: deque) -> bool:
+    """True when the client cancelled this request; then asks a3b_llm to abort
+    the generation behind it (once), since Triton 2.51 does not."""
+    if not request.is_cancelled():
+        return False
+    tensor = pb_utils.get_input_tensor_by_name(request, "request_id")
+    request_id = tensor.as_numpy().reshape(-1)[0].decode() if tensor is not None else ""
+    if request_id and request_id not in aborted:
+        aborted.append(request_id)
+        control = pb_utils.InferenceRequest(
+            model_name="a3b_llm", requested_output_names=[],
+            inputs=[pb_utils.Tensor("abort_request_id", np.array([request_id.encode()], dtype=np.object_))],
+        )
+        for _ in control.exec(decoupled=True):
+            pass
+    return True

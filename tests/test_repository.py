@@ -19,7 +19,7 @@ def test_ensemble_declares_both_anchor_contracts():
 
 def test_every_step_input_is_produced_upstream():
     produced = {t.name for t in contract.PREPROCESS_OUTPUTS}
-    assert {t.name for t in contract.LLM_INPUTS} == produced
+    assert {t.name for t in contract.LLM_REQUEST_INPUTS} == produced
     assert {t.name for t in contract.POSTPROCESS_INPUTS} == {t.name for t in contract.LLM_OUTPUTS}
 
 

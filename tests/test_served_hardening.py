@@ -116,11 +116,11 @@ def _stub_rss(model: str) -> int:
     raise LookupError(f"no python stub process for {model}")
 
 
-def _cancel_after_first(url: str, inputs: dict) -> None:
+def _cancel_after_first(url: str, inputs: dict, model: str = "a3b_llm") -> None:
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer("a3b_llm", [tensor(k, v) for k, v in inputs.items()])
+    client.async_stream_infer(model, [tensor(k, v) for k, v in inputs.items()])
     result, error = results.get(timeout=120)
     assert error is None
     client.stop_stream(cancel_requests=True)
@@ -149,7 +149,7 @@ def test_cancelled_streams_are_aborted_in_the_engine(server):
     inputs = {"input_ids": np.arange(100, 140, dtype=I32), "stream": True,
               "sampling_parameters": j(max_tokens=2000, ignore_eos=True)}
     before = metric(scrape(server.metrics_port), "a3b_generation_tokens_total")
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda _: _cancel_after_first(server.grpc_url, inputs), range(CANCELLED_STREAMS)))
     values = _engine_idle(server)
     assert metric(values, "a3b_num_requests_running") == 0
@@ -160,16 +160,28 @@ def test_cancelled_streams_are_aborted_in_the_engine(server):
     assert server.is_ready()
 
 
+def test_cancelled_ensemble_streams_abort_the_engine(server):
+    """Triton 2.51 does not pass an ensemble client's cancellation to a3b_llm;
+    postprocessing sees it and asks a3b_llm to abort."""
+    inputs = text_request("Tell me a long story.", True, {"max_tokens": 2000, "ignore_eos": True})
+    before = metric(scrape(server.metrics_port), "a3b_generation_tokens_total")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: _cancel_after_first(server.grpc_url, inputs, "ensemble"), range(20)))
+    values = _engine_idle(server)
+    assert metric(values, "a3b_num_requests_running") == 0
+    assert metric(values, "a3b_generation_tokens_total") - before < 20 * 2000 / 10
+
+
 def test_overload_gets_server_busy_not_unbounded_latency(server):
     inputs = {"input_ids": np.arange(100, 120, dtype=I32), "stream": True,
-              "sampling_parameters": j(max_tokens=32, ignore_eos=True)}
+              "sampling_parameters": j(max_tokens=8, ignore_eos=True)}
     with concurrent.futures.ThreadPoolExecutor(96) as pool:
         results = list(pool.map(lambda _: stream_infer(server.grpc_url, "a3b_llm", inputs), range(96)))
     busy = [err for _, err in results if err and "server busy" in err]
     done = [r for r, err in results if err is None]
     assert busy and "retry later" in busy[0] and "limit is 64" in busy[0]
     assert len(busy) + len(done) == 96
-    assert all(sum(len(x["token_ids"]) for x in r) == 32 for r in done)
+    assert all(sum(len(x["token_ids"]) for x in r) == 8 for r in done)
     assert metric(scrape(server.metrics_port), "a3b_request_rejected_total") >= len(busy)
 
 

@@ -15,7 +15,7 @@ from a3b_backend.profiles import get_profile, request_limits  # noqa: E402
 from a3b_backend.request import RequestError  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-INPUTS = ("input_ids", "sampling_parameters", "stream", "postprocess_config")
+INPUTS = ("input_ids", "sampling_parameters", "stream", "postprocess_config", "abort_request_id")
 
 
 def _str(tensors, name):
@@ -39,6 +39,11 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            abort = pb_utils.get_input_tensor_by_name(request, "abort_request_id")
+            if abort is not None:
+                self.host.submit_abort(abort.as_numpy().reshape(-1)[0].decode())
+                sender.send(flags=FINAL)
+                continue
             if self.host.in_flight >= self.max_in_flight:
                 self.metrics.metric["a3b_request_rejected_total"].increment(1)
                 sender.send(triton_io.busy_response(pb_utils, self.host.in_flight, self.max_in_flight), flags=FINAL)
@@ -73,7 +78,7 @@ class TritonPythonModel:
                     await self.host.abort(request_id)
                     break
                 step = tracker.step(output)
-                sender.send(triton_io.response(pb_utils, step_arrays(step, postprocess_config)),
+                sender.send(triton_io.response(pb_utils, step_arrays(step, postprocess_config, request_id)),
                             flags=FINAL if step.final else 0)
                 sent_final = step.final
         except Exception as exc:  # one request's failure must not touch the others
