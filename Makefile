@@ -3,13 +3,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL_DIR ?= models/smollm2-135m-instruct
 
-.PHONY: setup model serve test test-unit render perf-tools bench-eager quality clean
+.PHONY: setup model quantize serve test test-unit render perf-tools bench-eager quality clean
 
 setup:
 	bash scripts/setup.sh
 
 model: setup
 	$(PY) -m a3b_backend.prepare_model --out $(MODEL_DIR)
+
+# The default model in A3B (1x128 blocks, calibrated on a text other than the quality report's)
+quantize: model
+	test -d $(MODEL_DIR)-a3b || $(PY) -m a3b_backend.quant.convert $(MODEL_DIR) $(MODEL_DIR)-a3b \
+	  --calibration-text /usr/share/common-licenses/GPL-3
 
 render: setup
 	$(PY) -m a3b_backend.repository

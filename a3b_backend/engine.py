@@ -11,21 +11,57 @@ import concurrent.futures
 import logging
 import os
 import threading
-from typing import Any, AsyncIterator, Coroutine
+from typing import Any, AsyncIterator, Callable, Coroutine
 
 log = logging.getLogger(__name__)
 
 
 class EngineHost:
     def __init__(self, engine_args: dict[str, Any], env: dict[str, str] | None = None,
-                 stat_loggers: list | None = None):
+                 stat_loggers: list | None = None, on_state: Callable[[bool], None] = lambda up: None):
         for key, value in (env or {}).items():
             os.environ.setdefault(key, value)
+        self._engine_args, self._stat_loggers, self._on_state = engine_args, stat_loggers or [], on_state
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="a3b-engine-loop", daemon=True)
         self._thread.start()
         self._in_flight: dict[str, concurrent.futures.Future] = {}
-        self.engine = self.call(self._build(engine_args, stat_loggers or []))
+        self._restarting = False
+        self.engine = self.call(self._build(engine_args, self._stat_loggers))
+        on_state(True)
+
+    @property
+    def healthy(self) -> bool:
+        return not self._restarting and not self.engine.errored
+
+    def restart_if_dead(self) -> None:
+        """Replace a dead engine (its EngineCore process died) with a new one.
+
+        Runs on the engine loop; while it runs, `healthy` is False and callers
+        answer new requests with a retryable error instead of queueing them."""
+        if self._restarting or not self.engine.errored:
+            return
+        self._restarting = True
+        self._on_state(False)
+        log.error("vLLM engine died; starting a new one")
+
+        async def rebuild():
+            try:
+                self.engine.shutdown()
+            except Exception:  # the old engine is dead already; keep going
+                log.exception("shutting down the dead engine failed")
+            while True:
+                try:
+                    self.engine = await self._build(self._engine_args, self._stat_loggers)
+                    break
+                except Exception:
+                    log.exception("engine restart failed; retrying in 5 s")
+                    await asyncio.sleep(5)
+            self._restarting = False
+            self._on_state(True)
+            log.warning("vLLM engine restarted")
+
+        asyncio.run_coroutine_threadsafe(rebuild(), self._loop)
 
     @staticmethod
     async def _build(engine_args: dict[str, Any], stat_loggers: list):

@@ -27,6 +27,8 @@ METRICS: dict[str, tuple[str, str, list[float] | None]] = {
     "a3b_kv_cache_usage_perc": ("GAUGE", "Fraction of KV-cache blocks in use (0..1)", None),
     "a3b_num_requests_in_flight": ("GAUGE", "Requests admitted by a3b_llm and not yet finished", None),
     "a3b_request_rejected_total": ("COUNTER", "Requests refused because the admission queue was full", None),
+    "a3b_engine_up": ("GAUGE", "1 while the vLLM engine serves, 0 while it is being restarted", None),
+    "a3b_engine_restarts_total": ("COUNTER", "Times the vLLM engine died and was restarted", None),
     "a3b_time_to_first_token_seconds": ("HISTOGRAM", "Time to first token", TTFT_BUCKETS),
     "a3b_time_per_output_token_seconds": ("HISTOGRAM", "Time between output tokens", TPOT_BUCKETS),
     "a3b_e2e_request_latency_seconds": ("HISTOGRAM", "End-to-end request latency in the engine", E2E_BUCKETS),
@@ -45,6 +47,11 @@ class TritonMetrics:
             self._families[name] = family
             self.metric[name] = family.Metric(labels=labels, buckets=buckets) if buckets else family.Metric(
                 labels=labels)
+
+    def engine_state(self, up: bool) -> None:
+        self.metric["a3b_engine_up"].set(1 if up else 0)
+        if not up:
+            self.metric["a3b_engine_restarts_total"].increment(1)
 
     def stat_logger_factory(self):
         """A factory vLLM's AsyncLLM accepts in `stat_loggers`."""

@@ -73,9 +73,8 @@ def respond_each(pb_utils: Any, requests: Iterable[Any], input_names: Iterable[s
     return responses
 
 
-def busy_response(pb_utils: Any, in_flight: int, limit: int) -> Any:
-    message = (f"server busy: {in_flight} requests in flight, the limit is {limit} "
-               "(profile max_in_flight); retry later")
+def unavailable_response(pb_utils: Any, message: str) -> Any:
+    """A retryable refusal (gRPC UNAVAILABLE)."""
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE))
 
 

@@ -194,3 +194,47 @@ def test_engine_metrics_are_exported(server):
     assert values['a3b_time_to_first_token_seconds_count{model="a3b_llm",version="1"}'] > 0
     assert values['a3b_time_per_output_token_seconds_count{model="a3b_llm",version="1"}'] > 0
     assert 0 <= metric(values, "a3b_kv_cache_usage_perc") <= 1
+
+
+def _engine_core(stub_model: str = "a3b_llm") -> psutil.Process:
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if "triton_python_backend_stub" in cmd and f"/{stub_model}/" in cmd:
+            cores = [c for c in proc.children(recursive=True) if "EngineCore" in " ".join(c.cmdline()) + c.name()]
+            if cores:
+                return cores[0]
+    raise LookupError("no vLLM EngineCore process under the a3b_llm stub")
+
+
+def _ready(server, model: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/ready", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def test_engine_death_fails_in_flight_requests_fast_and_recovers(server):
+    """Runs last: it kills the engine process and waits for a3b_llm to start a new one."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    long = pool.submit(stream_infer, server.grpc_url, "ensemble",
+                       text_request("Tell me a long story.", True, {"max_tokens": 2000, "ignore_eos": True}))
+    time.sleep(3)
+    _engine_core().kill()
+    killed_at = time.monotonic()
+    responses, error = long.result(timeout=60)
+    assert error is not None and "engine failed" in error
+    assert time.monotonic() - killed_at < 30
+    assert _ready(server, "ensemble")  # the ensemble stays loaded while a3b_llm restarts its engine
+    _, error = stream_infer(server.grpc_url, "ensemble", text_request(CAPITAL, False, GREEDY))
+    assert error is not None and ("restarting" in error or "engine failed" in error)
+    deadline = time.monotonic() + 300
+    while metric(scrape(server.metrics_port), "a3b_engine_up") != 1:
+        assert time.monotonic() < deadline, "engine did not come back"
+        time.sleep(2)
+    assert metric(scrape(server.metrics_port), "a3b_engine_restarts_total") >= 1
+    ok, error = stream_infer(server.grpc_url, "ensemble", text_request(CAPITAL, False, GREEDY))
+    assert error is None and "Paris" in texts(ok)[0]
+    pool.shutdown()

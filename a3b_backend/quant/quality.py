@@ -115,7 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-tokens", type=int, default=8192)
     parser.add_argument("--calibration-tokens", type=int, default=2048)
     parser.add_argument("--only", nargs="*", help="variant names to run (default: all)")
+    parser.add_argument("--report-only", action="store_true", help="redraw the report from OUT/results.json")
     args = parser.parse_args(argv)
+    if args.report_only:
+        rows = json.loads((args.out / "results.json").read_text())
+        meta = json.loads((args.out / "run.json").read_text())
+        write_report(rows, args, **meta)
+        return 0
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval().requires_grad_(False)
@@ -142,9 +148,26 @@ def main(argv: list[str] | None = None) -> int:
         tqdm.write(json.dumps(result))
         for name, module in linears.items():
             module.weight.copy_(originals[name])
-    write_report(rows, args, tokenizer_name=args.model.name, eval_tokens=eval_ids.numel(),
-                 calib_tokens=calib_ids.numel())
+    meta = dict(tokenizer_name=args.model.name, eval_tokens=eval_ids.numel(), calib_tokens=calib_ids.numel())
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "run.json").write_text(json.dumps(meta))
+    write_report(rows, args, **meta)
     return 0
+
+
+def _series(rows: list[dict]) -> dict[str, list[dict]]:
+    """Curves to draw: A3B groups (plain / calibrated), A3B tiles, RTN, RTN + AWQ."""
+    series: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["family"] == "bf16":
+            continue
+        if r["family"].startswith("A3B"):
+            kind = "A3B 64x64 tiles" if "64x64" in r["family"] else "A3B 1xC groups"
+            label = kind + (" + calib" if r["aware"] else "")
+        else:
+            label = "RTN + AWQ" if r["aware"] else "RTN (INT3/INT4)"
+        series.setdefault(label, []).append(r)
+    return series
 
 
 def write_report(rows: list[dict], args, tokenizer_name: str, eval_tokens: int, calib_tokens: int) -> None:
@@ -161,9 +184,12 @@ def write_report(rows: list[dict], args, tokenizer_name: str, eval_tokens: int, 
         f"Command: `make quality` (`a3b-quality`). Evaluation: {eval_tokens} tokens of the Python language "
         f"reference (CPython `pydoc_data.topics`), windows of {SEQ_LEN}. Calibration: {calib_tokens} tokens of "
         "the GNU GPL v3 text (`/usr/share/common-licenses/GPL-3`).", "",
-        "The default model's weights were rebuilt from a Q4_1 GGUF (4-bit, 32-weight blocks), so they already "
-        "sit on a 4-bit grid per 32 weights: INT4 g32 can recover them almost exactly and every other format "
-        "is measured against weights that were once 4-bit.", "",
+        "The default model's weights were rebuilt from a Q4_1 GGUF (4-bit, 32-weight blocks with an fp16 scale "
+        "and minimum each), so every format here is measured against weights that were once 4-bit; that biases "
+        "the comparison towards formats whose grid can land on the old one. INT4 RTN g32 has the GGUF's block "
+        "size but an integer zero-point, so it does not reproduce the old grid exactly (see its row).", "",
+        "`+ calib`: activation-aware (importance-weighted fit for every layer, AWQ scale alpha=0.5 folded into "
+        "the RMSNorm for q/k/v and gate/up). `+ AWQ`: the same AWQ scales, then plain RTN.", "",
         "| variant | bits/weight (measured) | perplexity | delta vs bf16 | mean rel. weight error | file size (MB) |",
         "|---|---|---|---|---|---|",
     ]
@@ -171,17 +197,22 @@ def write_report(rows: list[dict], args, tokenizer_name: str, eval_tokens: int, 
         lines.append(f"| {r['name']} | {r['bits_per_weight']:.3f} | {r['perplexity']:.2f} | "
                      f"{r['perplexity'] - base:+.2f} | {r['weight_error']:.4f} | {r['file_bytes'] / 1e6:.1f} |")
     (args.out / "report.md").write_text("\n".join(lines) + "\n")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for family in sorted({r["family"] for r in rows if r["family"] != "bf16"}):
-        for aware, marker in ((False, "o"), (True, "^")):
-            pts = [r for r in rows if r["family"] == family and r["aware"] == aware]
-            if pts:
-                ax.scatter([p["bits_per_weight"] for p in pts], [p["perplexity"] for p in pts], marker=marker,
-                           label=family + (" + calib" if aware else ""))
-    ax.axhline(base, color="gray", linestyle="--", label="bf16")
+    fig, ax = plt.subplots(figsize=(8, 5))
+    top = max(4 * base, 60.0)
+    for label, members in _series(rows).items():
+        pts = sorted(members, key=lambda r: r["bits_per_weight"])
+        xs = [p["bits_per_weight"] for p in pts]
+        ys = [min(p["perplexity"], top) for p in pts]
+        ax.plot(xs, ys, marker="^" if "calib" in label or "AWQ" in label else "o", label=label)
+        for p, y in zip(pts, ys):
+            note = p["name"].replace(" + calib", "").replace(" + AWQ", "")
+            if p["perplexity"] > top:
+                note += f" (ppl {p['perplexity']:.0f}, off scale)"
+            ax.annotate(note, (p["bits_per_weight"], y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.axhline(base, color="gray", linestyle="--", label=f"bf16 ({base:.2f})")
     ax.set_xlabel("bits per weight (measured, incl. metadata)")
-    ax.set_ylabel("perplexity")
-    ax.set_yscale("log")
+    ax.set_ylabel("perplexity (lower is better)")
+    ax.set_ylim(base * 0.95, top * 1.05)
     ax.legend(fontsize=7)
     ax.set_title(f"{tokenizer_name}: perplexity vs bits per weight")
     fig.tight_layout()

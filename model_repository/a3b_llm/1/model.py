@@ -7,6 +7,7 @@ import dataclasses  # noqa: E402
 import uuid  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
+from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 
 from a3b_backend.engine import EngineHost  # noqa: E402
 from a3b_backend.generation import LlmRequest, StepTracker, parse_llm_request, step_arrays  # noqa: E402
@@ -32,6 +33,7 @@ class TritonPythonModel:
             profile.engine_args(triton_io.project_root(args)),
             env={"VLLM_CPU_KVCACHE_SPACE": str(profile.cpu_kv_cache_gib)},
             stat_loggers=[self.metrics.stat_logger_factory()],
+            on_state=self.metrics.engine_state,
         )
         vocab_size = self.host.engine.model_config.get_vocab_size()
         self.limits = dataclasses.replace(request_limits(profile), vocab_size=vocab_size)
@@ -44,9 +46,15 @@ class TritonPythonModel:
                 self.host.submit_abort(abort.as_numpy().reshape(-1)[0].decode())
                 sender.send(flags=FINAL)
                 continue
+            if not self.host.healthy:
+                sender.send(triton_io.unavailable_response(
+                    pb_utils, "engine restarting after a failure; retry in a few seconds"), flags=FINAL)
+                continue
             if self.host.in_flight >= self.max_in_flight:
                 self.metrics.metric["a3b_request_rejected_total"].increment(1)
-                sender.send(triton_io.busy_response(pb_utils, self.host.in_flight, self.max_in_flight), flags=FINAL)
+                sender.send(triton_io.unavailable_response(
+                    pb_utils, f"server busy: {self.host.in_flight} requests in flight, the limit is "
+                              f"{self.max_in_flight} (profile max_in_flight); retry later"), flags=FINAL)
                 continue
             try:
                 tensors = triton_io.read_inputs(pb_utils, request, INPUTS)
@@ -81,6 +89,11 @@ class TritonPythonModel:
                 sender.send(triton_io.response(pb_utils, step_arrays(step, postprocess_config, request_id)),
                             flags=FINAL if step.final else 0)
                 sent_final = step.final
+        except EngineDeadError as exc:
+            sender.send(triton_io.unavailable_response(pb_utils, f"engine failed ({exc}); restarting, retry"),
+                        flags=FINAL)
+            sent_final = True
+            self.host.restart_if_dead()
         except Exception as exc:  # one request's failure must not touch the others
             sender.send(triton_io.error_response(pb_utils, f"generation failed: {exc}", invalid_argument=False),
                         flags=FINAL)
