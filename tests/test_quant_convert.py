@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from a3b_backend.quant.convert import ConversionError, convert
 from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
 
-CONFIG = A3BConfig(1, 32, iterations=2)
+CONFIG = A3BConfig(1, 32, iterations=2)  # the converter tests' quantizer
 
 
 def tiny(tmp_path: Path, model_type: str, vocab_size: int = 256, **extra) -> Path:
@@ -62,16 +62,40 @@ def test_converts_dense_and_moe(tmp_path, model_type, extra, expected):
     assert config["quantization_config"]["block_shape"] == [1, 32]
 
 
-def test_calibration_folds_scales_into_norms(tmp_path, tokenizer):
+def _dequantized_model(dst: Path, src: Path):
+    """The source architecture with dst's tensors, A3B weights dequantized."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    stored = tensors(dst)
+    state = {}
+    for name in model.state_dict():
+        state[name] = (dequantize(A3BWeight.from_tensors(stored, name), CONFIG) if f"{name}_packed" in stored
+                       else stored.get(name, model.state_dict()[name]).float())
+    model.load_state_dict(state)
+    return model
+
+
+def test_calibrated_checkpoint_computes_what_the_source_does(tmp_path, tokenizer, monkeypatch):
+    """Folded AWQ scales (norm / s, weight * s) must leave the function intact up to quantization error."""
+    from transformers import AutoModelForCausalLM
+
+    from a3b_backend.quant import calibrate
+
+    monkeypatch.setattr(calibrate, "ALPHAS", (0.75,))  # force a real scale, so the fold is exercised
     src = tiny(tmp_path, "llama", vocab_size=len(tokenizer))
     tokenizer.save_pretrained(src)
     text = tmp_path / "calib.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
     dst = convert(src, tmp_path / "out", CONFIG, calibration_text=text, calibration_tokens=128)
-    before, after = tensors(src), tensors(dst)
-    norm = "model.layers.0.input_layernorm.weight"
-    assert not torch.equal(after[norm], before[norm])
     assert json.loads((dst / "config.json").read_text())["quantization_config"]["calibrated"] is True
+    ids = torch.tensor([tokenizer.encode("A lazy dog sleeps in the sun all day.")])
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids).logits
+        got = _dequantized_model(dst, src)(ids).logits
+    assert ((got - ref).norm() / ref.norm()) < 0.1
+    norm = "model.layers.0.input_layernorm.weight"
+    assert not torch.equal(tensors(dst)[norm], tensors(src)[norm])
 
 
 def test_refusals(tmp_path):

@@ -5,7 +5,8 @@ value of each input channel over calibration text. Two uses:
 - importance weights for the fit (mean x^2 per column: the diagonal of the
   layer's input Hessian, so the fit minimizes output error, not weight error);
 - an AWQ-style per-channel scale s = mean|x|^alpha that enlarges salient
-  columns before quantizing; W ~ Q(W diag(s)) diag(1/s). Only where 1/s folds
+  columns before quantizing; W ~ Q(W diag(s)) diag(1/s), alpha searched per
+  layer group for the lowest output error. Only where 1/s folds
   into the preceding RMSNorm (q/k/v after input_layernorm, gate/up after
   post_attention_layernorm, which share their input and so their s); other
   layers get the importance weighting alone, so no runtime op is needed.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -25,7 +27,7 @@ QUANTIZED = re.compile(
     r"\.layers\.\d+\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|in_proj_qkvz|in_proj_qkv|"
     r"in_proj_z|out_proj)$"
 )
-ALPHA = 0.5
+ALPHAS = (0.0, 0.25, 0.5, 0.75)
 # Inputs that come straight from an RMSNorm, whose weight can absorb 1/s
 # (dense decoder layers; MoE experts share their norm with the router).
 FOLDABLE = re.compile(r"\.layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj)|mlp\.(gate_proj|up_proj))$")
@@ -53,9 +55,36 @@ class ChannelStats:
         return self.abs_sum / max(self.count, 1)
 
 
-def awq_scale(stats: ChannelStats, alpha: float = ALPHA) -> torch.Tensor:
+def awq_scale(stats: ChannelStats, alpha: float) -> torch.Tensor:
     s = stats.mean_abs.clamp_min(1e-5) ** alpha
     return s / (s.max() * s.min()).sqrt()
+
+
+QuantDequant = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def choose_scale(weights: list[torch.Tensor], stats: ChannelStats, quant_dequant: QuantDequant) -> torch.Tensor:
+    """The AWQ scale, among alpha in ALPHAS, that minimizes the output error of
+    the layers sharing this input: E||x (W - W_hat)^T||^2, taken with the
+    diagonal of E[x x^T] (sum_j E[x_j^2] ||W[:, j] - W_hat[:, j]||^2)."""
+    best, best_err = None, float("inf")
+    for alpha in ALPHAS:
+        s = awq_scale(stats, alpha)
+        importance = stats.importance / s**2
+        err = sum(float((((quant_dequant(w * s, importance) / s) - w) ** 2 * stats.importance).sum())
+                  for w in weights)
+        if err < best_err:
+            best, best_err = s, err
+    return best
+
+
+def groups(names: list[str]) -> dict[str, list[str]]:
+    """Foldable linears grouped by the RMSNorm that feeds them (they share one scale)."""
+    out: dict[str, list[str]] = {}
+    for name in names:
+        if FOLDABLE.search(name):
+            out.setdefault(norm_for(name), []).append(name)
+    return out
 
 
 def quantized_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:

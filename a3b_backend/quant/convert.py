@@ -8,7 +8,8 @@ lm_head, MoE routers and everything else are copied as they are. Tensors are
 read and written shard by shard, so memory holds one shard, not the model.
 With --calibration-text the source model is run once over that text (this
 needs it in memory) for activation statistics: importance-weighted fits for
-every layer, AWQ scales where they fold into an RMSNorm.
+every layer, AWQ scales (alpha searched per layer group) where they fold into
+an RMSNorm.
 
 The result is written to DST_DIR.partial and renamed to DST_DIR only when
 complete, so a failed run never leaves a checkpoint that looks whole.
@@ -29,7 +30,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from a3b_backend.quant import calibrate
-from a3b_backend.quant.format import A3BConfig, QuantizationError, quantize
+from a3b_backend.quant.format import A3BConfig, QuantizationError, dequantize, quantize
 
 KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 # Experts stored stacked as 3-D tensors [experts, out, in] in some checkpoints.
@@ -65,20 +66,25 @@ def check_paths(src: Path, dst: Path) -> dict:
     return config
 
 
-def calibration_transform(src: Path, text_path: Path, tokens: int) -> tuple[dict, dict]:
-    """Per-linear importance and AWQ scale, and per-norm scales to divide by."""
+def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BConfig) -> tuple[dict, dict]:
+    """Per-linear (importance, AWQ scale or None), and per-norm scales to divide by."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(src)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval().requires_grad_(False)
     ids = torch.tensor(tokenizer.encode(calibrate.load_text(text_path))[:tokens])
     stats = calibrate.collect(model, ids)
-    per_linear, per_norm = {}, {}
-    for name, st in stats.items():
-        scale = calibrate.awq_scale(st) if calibrate.FOLDABLE.search(name) else None
-        per_linear[name] = (st.importance, scale)
-        if scale is not None:
-            per_norm[calibrate.norm_for(name)] = scale
+    linears = calibrate.quantized_linears(model)
+
+    def quant_dequant(w, importance):
+        return dequantize(quantize(w, config, col_importance=importance), config)
+
+    per_linear = {name: (st.importance, None) for name, st in stats.items()}
+    per_norm = {}
+    for norm, members in tqdm(calibrate.groups(list(stats)).items(), desc="searching AWQ scales", unit="group"):
+        scale = calibrate.choose_scale([linears[m].weight for m in members], stats[members[0]], quant_dequant)
+        per_norm[norm] = scale
+        per_linear.update({m: (stats[m].importance, scale) for m in members})
     return per_linear, per_norm
 
 
@@ -115,7 +121,7 @@ def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | No
     model_config = check_paths(src, dst)
     calibration, norm_scales = ({}, {})
     if calibration_text is not None:
-        calibration, norm_scales = calibration_transform(src, calibration_text, calibration_tokens)
+        calibration, norm_scales = calibration_transform(src, calibration_text, calibration_tokens, config)
     partial = dst.with_name(dst.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -140,7 +146,7 @@ def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | No
             (partial / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1))
         model_config["quantization_config"] = {
-            **config.to_json(), "calibrated": calibration_text is not None, "awq_alpha": calibrate.ALPHA,
+            **config.to_json(), "calibrated": calibration_text is not None,
             "quantized_layers": calibrate.QUANTIZED.pattern,
         }
         (partial / "config.json").write_text(json.dumps(model_config, indent=2))

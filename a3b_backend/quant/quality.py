@@ -84,18 +84,22 @@ def perplexity(model, ids: torch.Tensor) -> float:
 
 @torch.no_grad()
 def apply_variant(model, originals, stats, variant: Variant) -> dict:
+    linears = calibrate.quantized_linears(model)
+    scales: dict[str, torch.Tensor] = {}
+    if variant.aware:
+        quant_dequant = lambda w, importance: variant.run(w, importance)[0]  # noqa: E731
+        for norm, members in tqdm(calibrate.groups(list(linears)).items(), desc="searching AWQ scales",
+                                  unit="group", leave=False):
+            s = calibrate.choose_scale([originals[m] for m in members], stats[members[0]], quant_dequant)
+            scales.update({m: s for m in members})
     nbytes, weights, rel_errors = 0, 0, []
-    for name, module in tqdm(calibrate.quantized_linears(model).items(), desc=variant.name, unit="linear",
-                             leave=False):
+    for name, module in tqdm(linears.items(), desc=variant.name, unit="linear", leave=False):
         w = originals[name]
-        importance, scale = None, None
+        scale = scales.get(name)
+        importance = None
         if variant.aware:
-            importance = stats[name].importance
-            if calibrate.FOLDABLE.search(name):
-                scale = calibrate.awq_scale(stats[name])
-                importance = importance / scale**2
-        target = w * scale if scale is not None else w
-        deq, size = variant.run(target, importance)
+            importance = stats[name].importance if scale is None else stats[name].importance / scale**2
+        deq, size = variant.run(w if scale is None else w * scale, importance)
         if scale is not None:
             deq = deq / scale
         module.weight.copy_(deq.to(module.weight.dtype))
@@ -188,8 +192,9 @@ def write_report(rows: list[dict], args, tokenizer_name: str, eval_tokens: int, 
         "and minimum each), so every format here is measured against weights that were once 4-bit; that biases "
         "the comparison towards formats whose grid can land on the old one. INT4 RTN g32 has the GGUF's block "
         "size but an integer zero-point, so it does not reproduce the old grid exactly (see its row).", "",
-        "`+ calib`: activation-aware (importance-weighted fit for every layer, AWQ scale alpha=0.5 folded into "
-        "the RMSNorm for q/k/v and gate/up). `+ AWQ`: the same AWQ scales, then plain RTN.", "",
+        "`+ calib`: activation-aware (importance-weighted fit for every layer; AWQ scales for q/k/v and gate/up, "
+        "alpha searched per layer group for the lowest output error, folded into their RMSNorm). `+ AWQ`: AWQ "
+        "scales searched the same way for RTN, then plain RTN.", "",
         "| variant | bits/weight (measured) | perplexity | delta vs bf16 | mean rel. weight error | file size (MB) |",
         "|---|---|---|---|---|---|",
     ]
