@@ -41,6 +41,7 @@ def measure(mode: str) -> dict:
     start = time.perf_counter()
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=DECODE_TOKENS, ignore_eos=True))
     tokens_per_s = DECODE_TOKENS / (time.perf_counter() - start)
+    llm.llm_engine.engine_core.shutdown()  # else the EngineCore process can outlive this one
     return {"mode": mode, "start_s": round(started_s, 1), "decode_tokens_per_s": round(tokens_per_s, 1),
             "greedy_answer": answer}
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -77,12 +78,21 @@ def server(tmp_path_factory) -> Server:
     deadline = time.monotonic() + SERVER_START_TIMEOUT_S
     while not srv.is_ready():
         if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
+            _kill_group(proc)
             pytest.fail(f"tritonserver did not become ready; log tail:\n{log.read_text()[-5000:]}")
         time.sleep(2)
     yield srv
     proc.terminate()
     try:
         proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
+    finally:
+        _kill_group(proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """The server, its python stubs and vLLM's engine processes: nothing may outlive the session."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

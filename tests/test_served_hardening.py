@@ -172,6 +172,24 @@ def test_cancelled_ensemble_streams_abort_the_engine(server):
     assert metric(values, "a3b_generation_tokens_total") - before < 20 * 2000 / 10
 
 
+def test_dropped_http_stream_stops_the_generation(server):
+    import http.client
+
+    body = json.dumps({"text_input": "Tell me a long story.", "stream": True,
+                       "sampling_parameters": j(max_tokens=2000, ignore_eos=True)})
+    before = metric(scrape(server.metrics_port), "a3b_generation_tokens_total")
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    conn.request("POST", "/v2/models/ensemble/generate_stream", body, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    response.readline()  # the first event arrived: generation is under way
+    response.close()  # the client goes away without a word
+    conn.close()
+    values = _engine_idle(server)
+    assert metric(values, "a3b_num_requests_running") == 0
+    assert metric(values, "a3b_generation_tokens_total") - before < 2000 / 4
+
+
 def test_overload_gets_server_busy_not_unbounded_latency(server):
     inputs = {"input_ids": np.arange(100, 120, dtype=I32), "stream": True,
               "sampling_parameters": j(max_tokens=8, ignore_eos=True)}
