@@ -128,3 +128,16 @@ def test_failed_run_leaves_nothing_that_looks_complete(tmp_path):
     with pytest.raises(Exception, match="model.layers.1.mlp.up_proj.weight"):
         convert(src, tmp_path / "out", CONFIG)
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_stacked_expert_tensors_quantize_per_expert():
+    from a3b_backend.quant.convert import convert_tensor
+
+    stacked = torch.randn(3, 16, 64) * 0.02
+    out, count = convert_tensor("model.layers.0.mlp.experts.gate_up_proj", stacked, CONFIG, {}, {})
+    assert count == stacked.numel()
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    assert out[f"{name}_packed"].shape == (3, 16, 32)
+    for e in range(3):
+        q = A3BWeight.from_tensors({k: v[e] for k, v in out.items()}, name)
+        assert ((dequantize(q, CONFIG) - stacked[e]).norm() / stacked[e].norm()) < 0.2
