@@ -60,10 +60,10 @@ def respond_each(pb_utils: Any, requests: Iterable[Any], input_names: Iterable[s
     names = tuple(input_names)
     responses = []
     for request in requests:
-        if cancelled is not None and forward_cancellation(pb_utils, request, cancelled):
-            responses.append(pb_utils.InferenceResponse(
-                error=pb_utils.TritonError("request cancelled by the client", pb_utils.TritonError.CANCELLED)))
-            continue
+        if cancelled is not None:
+            # Answered as usual even when cancelled: an error response here
+            # leaves Triton 2.51's ensemble request in flight for good.
+            forward_cancellation(pb_utils, request, cancelled)
         try:
             responses.append(response(pb_utils, handle(read_inputs(pb_utils, request, names))))
         except RequestError as exc:
