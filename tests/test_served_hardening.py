@@ -257,25 +257,3 @@ def test_engine_death_fails_in_flight_requests_fast_and_recovers(server):
     assert error is None and "Paris" in texts(ok)[0]
     pool.shutdown()
 
-
-def test_sigterm_lets_in_flight_streams_finish_and_exits(server):
-    """Runs last of all: it stops the session's server (after the cancelled
-    ensemble streams above, which must not hold the shutdown)."""
-    sampling = {"temperature": 0, "max_tokens": 24}
-    reference, error = stream_infer(server.grpc_url, "ensemble", text_request(CAPITAL, True, sampling))
-    assert error is None
-    group = list(psutil.Process(server.proc.pid).children(recursive=True))
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        running = [pool.submit(stream_infer, server.grpc_url, "ensemble", text_request(CAPITAL, True, sampling))
-                   for _ in range(2)]
-        time.sleep(1)
-        stopped_at = time.monotonic()
-        server.proc.terminate()
-        for future in running:
-            responses, error = future.result(timeout=60)
-            assert error is None and "".join(texts(responses)) == "".join(texts(reference))
-    server.proc.wait(timeout=60)
-    assert time.monotonic() - stopped_at < 30
-    time.sleep(2)
-    assert not [p.pid for p in group if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-
