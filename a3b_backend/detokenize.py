@@ -30,6 +30,15 @@ class DecodeRule:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
+    @classmethod
+    def from_params(cls, params: dict) -> "DecodeRule":
+        """From vLLM-style sampling parameters (or the postprocess config that carries them)."""
+        return cls(
+            stop=tuple(params.get("stop", ())),
+            include_stop_str_in_output=params.get("include_stop_str_in_output", False),
+            skip_special_tokens=params.get("skip_special_tokens", True),
+        )
+
     @property
     def context_tokens(self) -> int:
         return BASE_CONTEXT_TOKENS + max((len(s) for s in self.stop), default=0)
@@ -55,15 +64,10 @@ def settled(text: str, rule: DecodeRule) -> str:
 
 def finished(text: str, rule: DecodeRule, stopped_by: str | None) -> str:
     """The decode at the end of a stream: cut at the stop string that ended it."""
-    if stopped_by and not rule.include_stop_str_in_output:
-        at = text.find(stopped_by)
-        if at >= 0:
-            return text[:at]
-    elif stopped_by:
-        at = text.find(stopped_by)
-        if at >= 0:
-            return text[: at + len(stopped_by)]
-    return text
+    at = text.find(stopped_by) if stopped_by else -1
+    if at < 0:
+        return text
+    return text[: at + len(stopped_by)] if rule.include_stop_str_in_output else text[:at]
 
 
 def text_delta(

@@ -18,10 +18,12 @@ log = logging.getLogger(__name__)
 
 class EngineHost:
     def __init__(self, engine_args: dict[str, Any], env: dict[str, str] | None = None,
-                 stat_loggers: list | None = None, on_state: Callable[[bool], None] = lambda up: None):
+                 stat_loggers: list | None = None, on_state: Callable[[bool], None] = lambda up: None,
+                 on_in_flight: Callable[[int], None] = lambda count: None):
         for key, value in (env or {}).items():
             os.environ.setdefault(key, value)
         self._engine_args, self._stat_loggers, self._on_state = engine_args, stat_loggers or [], on_state
+        self._on_in_flight = on_in_flight
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="a3b-engine-loop", daemon=True)
         self._thread.start()
@@ -78,8 +80,13 @@ class EngineHost:
         """Start a request's coroutine on the engine loop; returns at once."""
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         self._in_flight[request_id] = future
-        future.add_done_callback(lambda _f: self._in_flight.pop(request_id, None))
+        self._on_in_flight(len(self._in_flight))
+        future.add_done_callback(lambda _f: self._finished(request_id))
         return future
+
+    def _finished(self, request_id: str) -> None:
+        self._in_flight.pop(request_id, None)
+        self._on_in_flight(len(self._in_flight))
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params) -> AsyncIterator[Any]:
         from vllm.inputs import TokensPrompt
@@ -97,9 +104,14 @@ class EngineHost:
         if request_id in self._in_flight:
             asyncio.run_coroutine_threadsafe(self.abort(request_id), self._loop)
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._in_flight)
+    def refusal(self, max_in_flight: int) -> str | None:
+        """Why a new request must be refused now (retryable), or None to admit it."""
+        if not self.healthy:
+            return "engine restarting after a failure; retry in a few seconds"
+        if len(self._in_flight) >= max_in_flight:
+            return (f"server busy: {len(self._in_flight)} requests in flight, the limit is {max_in_flight} "
+                    "(profile max_in_flight); retry later")
+        return None
 
     def shutdown(self, drain_timeout: float = 10.0) -> None:
         """Let in-flight requests finish for a while, abort the rest, stop the engine."""

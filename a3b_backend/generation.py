@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from a3b_backend.detokenize import DecodeRule
-from a3b_backend.request import Limits, check_token_ids, finalize_sampling, parse_sampling_json
+from a3b_backend.request import (Limits, RequestError, check_token_ids, finalize_sampling, parse_sampling_json,
+                                 string_input)
 
 # Validated for clear errors, but not SamplingParams fields in vLLM 0.32.
 _NOT_ENGINE_FIELDS = ("best_of", "use_beam_search")
@@ -44,11 +45,7 @@ class LlmRequest:
 
     @property
     def decode_rule(self) -> DecodeRule:
-        return DecodeRule(
-            stop=tuple(self.sampling.get("stop", ())),
-            include_stop_str_in_output=self.sampling.get("include_stop_str_in_output", False),
-            skip_special_tokens=self.sampling.get("skip_special_tokens", True),
-        )
+        return DecodeRule.from_params(self.sampling)
 
     def sampling_params(self):
         from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -58,10 +55,17 @@ class LlmRequest:
         return SamplingParams(**kwargs, output_kind=kind)
 
 
-def parse_llm_request(prompt_ids: list[int], sampling_json: str, stream: bool, limits: Limits) -> LlmRequest:
+def parse_llm_request(tensors: dict[str, np.ndarray], limits: Limits) -> LlmRequest:
+    """a3b_llm's inputs -> a validated request (the same rules as the text path)."""
+    if "input_ids" not in tensors:
+        raise RequestError("input 'input_ids' is required (INT32 token ids, shape [-1])")
+    prompt_ids = tensors["input_ids"].reshape(-1).tolist()
     check_token_ids(prompt_ids, limits)
-    sampling = finalize_sampling(parse_sampling_json(sampling_json), len(prompt_ids), limits)
-    return LlmRequest(prompt_ids=prompt_ids, sampling=sampling, stream=stream)
+    sampling = finalize_sampling(parse_sampling_json(string_input(tensors, "sampling_parameters")),
+                                 len(prompt_ids), limits)
+    stream = tensors.get("stream")
+    return LlmRequest(prompt_ids=prompt_ids, sampling=sampling,
+                      stream=bool(stream.reshape(-1)[0]) if stream is not None else False)
 
 
 class StepTracker:
@@ -108,7 +112,15 @@ class StepTracker:
         return sampled, json.dumps(listed)
 
 
-def step_arrays(step: Step, postprocess_config: str, request_id: str) -> dict[str, np.ndarray]:
+def request_arrays(postprocess_config: str, request_id: str) -> dict[str, np.ndarray]:
+    """Outputs that are the same on every step of a request: built once, not per token."""
+    return {
+        "postprocess_config": np.array([postprocess_config.encode("utf-8")], dtype=np.object_),
+        "request_id": np.array([request_id.encode()], dtype=np.object_),
+    }
+
+
+def step_arrays(step: Step, per_request: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The a3b_llm output tensors of one step."""
     return {
         "token_ids": np.asarray(step.token_ids, dtype=np.int32),
@@ -120,6 +132,5 @@ def step_arrays(step: Step, postprocess_config: str, request_id: str) -> dict[st
         "logprobs": np.array([step.logprobs_json.encode("utf-8")], dtype=np.object_),
         "num_input_tokens": np.array([step.num_input_tokens], dtype=np.uint32),
         "num_output_tokens": np.array([step.num_output_tokens], dtype=np.uint32),
-        "postprocess_config": np.array([postprocess_config.encode("utf-8")], dtype=np.object_),
-        "request_id": np.array([request_id.encode()], dtype=np.object_),
+        **per_request,
     }

@@ -7,6 +7,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from a3b_backend.detokenize import DecodeRule, text_delta
+from a3b_backend.request import string_input
 
 
 # Like vllm_backend, an output is sent only when its flag asks for it.
@@ -20,23 +21,14 @@ OUTPUTS_BY_FLAG = {
 }
 
 
-def _str(tensors: Mapping[str, np.ndarray], name: str) -> str:
-    raw = tensors[name].reshape(-1)[0]
-    return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
-
-
 def _float(tensors: Mapping[str, np.ndarray], name: str) -> float:
     return float(tensors[name].reshape(-1)[0])
 
 
 def step_outputs(tensors: Mapping[str, np.ndarray], tokenizer: Any) -> dict[str, np.ndarray]:
-    config = json.loads(_str(tensors, "postprocess_config") or "{}")
-    rule = DecodeRule(
-        stop=tuple(config.get("stop", ())),
-        include_stop_str_in_output=config.get("include_stop_str_in_output", False),
-        skip_special_tokens=config.get("skip_special_tokens", True),
-    )
-    finish_reason = _str(tensors, "finish_reason")
+    config = json.loads(string_input(tensors, "postprocess_config") or "{}")
+    rule = DecodeRule.from_params(config)
+    finish_reason = string_input(tensors, "finish_reason")
     final = bool(finish_reason)
     text = text_delta(
         tokenizer,
@@ -44,7 +36,7 @@ def step_outputs(tensors: Mapping[str, np.ndarray], tokenizer: Any) -> dict[str,
         tensors["token_ids"].reshape(-1).tolist(),
         rule,
         final=final,
-        stopped_by=_str(tensors, "stop_reason") or None,
+        stopped_by=string_input(tensors, "stop_reason") or None,
     )
     if final and config.get("echo"):
         text = config["echo"] + text
@@ -54,7 +46,7 @@ def step_outputs(tensors: Mapping[str, np.ndarray], tokenizer: Any) -> dict[str,
         "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
         "finish_reason": np.array([finish_reason.encode()], dtype=np.object_),
         "cumulative_logprob": np.array([cumulative], dtype=np.float32),
-        "logprobs": np.array([_str(tensors, "logprobs").encode("utf-8")], dtype=np.object_),
+        "logprobs": np.array([string_input(tensors, "logprobs").encode("utf-8")], dtype=np.object_),
         "num_input_tokens": tensors["num_input_tokens"].reshape(1).astype(np.uint32),
         "num_output_tokens": tensors["num_output_tokens"].reshape(1).astype(np.uint32),
         "cum_log_probs": np.array([cumulative], dtype=np.float32),

@@ -33,9 +33,8 @@ def tokenize(tokenizer: Any, request: GenerationRequest) -> list[int]:
 def postprocess_config(request: GenerationRequest) -> dict[str, Any]:
     return {
         "echo": request.prompt if request.echo_prompt else "",
-        "stop": request.sampling.get("stop", []),
-        "include_stop_str_in_output": request.sampling.get("include_stop_str_in_output", False),
-        "skip_special_tokens": request.sampling.get("skip_special_tokens", True),
+        **{k: request.sampling[k] for k in ("stop", "include_stop_str_in_output", "skip_special_tokens")
+           if k in request.sampling},
         "returns": request.returns,
     }
 

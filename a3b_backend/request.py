@@ -124,6 +124,12 @@ def _decode_utf8(raw: Any, name: str) -> str:
         ) from None
 
 
+def string_input(tensors: Mapping[str, np.ndarray], name: str) -> str:
+    """A [1] STRING tensor as text ("" when absent)."""
+    value = _scalar(tensors, name)
+    return "" if value is None else _decode_utf8(value, name)
+
+
 def _bool_tensor(tensors: Mapping[str, np.ndarray], name: str, default: bool) -> bool:
     value = _scalar(tensors, name)
     if value is None:
@@ -266,8 +272,7 @@ def parse_request(tensors: Mapping[str, np.ndarray]) -> GenerationRequest:
     if not prompt.strip():
         raise RequestError("input 'text_input' is empty; a non-empty prompt is required")
 
-    raw_json = _scalar(tensors, "sampling_parameters")
-    sampling = parse_sampling_json(_decode_utf8(raw_json, "sampling_parameters")) if raw_json is not None else {}
+    sampling = parse_sampling_json(string_input(tensors, "sampling_parameters"))
     for name, value in _trtllm_sampling(tensors).items():
         if name in sampling and sampling[name] != value:
             raise RequestError(

@@ -10,18 +10,14 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 
 from a3b_backend.engine import EngineHost  # noqa: E402
-from a3b_backend.generation import LlmRequest, StepTracker, parse_llm_request, step_arrays  # noqa: E402
+from a3b_backend.generation import (LlmRequest, StepTracker, parse_llm_request, request_arrays,  # noqa: E402
+                                    step_arrays)
 from a3b_backend.metrics import TritonMetrics  # noqa: E402
 from a3b_backend.profiles import get_profile, request_limits  # noqa: E402
-from a3b_backend.request import RequestError  # noqa: E402
+from a3b_backend.request import RequestError, string_input  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INPUTS = ("input_ids", "sampling_parameters", "stream", "postprocess_config", "abort_request_id")
-
-
-def _str(tensors, name):
-    arr = tensors.get(name)
-    return arr.reshape(-1)[0].decode("utf-8") if arr is not None else ""
 
 
 class TritonPythonModel:
@@ -34,6 +30,7 @@ class TritonPythonModel:
             env={"VLLM_CPU_KVCACHE_SPACE": str(profile.cpu_kv_cache_gib)},
             stat_loggers=[self.metrics.stat_logger_factory()],
             on_state=self.metrics.engine_state,
+            on_in_flight=self.metrics.metric["a3b_num_requests_in_flight"].set,
         )
         vocab_size = self.host.engine.model_config.get_vocab_size()
         self.limits = dataclasses.replace(request_limits(profile), vocab_size=vocab_size)
@@ -41,44 +38,30 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
-            abort = pb_utils.get_input_tensor_by_name(request, "abort_request_id")
-            if abort is not None:
-                self.host.submit_abort(abort.as_numpy().reshape(-1)[0].decode())
-                sender.send(flags=FINAL)
-                continue
-            if not self.host.healthy:
-                sender.send(triton_io.unavailable_response(
-                    pb_utils, "engine restarting after a failure; retry in a few seconds"), flags=FINAL)
-                continue
-            if self.host.in_flight >= self.max_in_flight:
-                self.metrics.metric["a3b_request_rejected_total"].increment(1)
-                sender.send(triton_io.unavailable_response(
-                    pb_utils, f"server busy: {self.host.in_flight} requests in flight, the limit is "
-                              f"{self.max_in_flight} (profile max_in_flight); retry later"), flags=FINAL)
-                continue
             try:
                 tensors = triton_io.read_inputs(pb_utils, request, INPUTS)
-                if "input_ids" not in tensors:
-                    raise RequestError("input 'input_ids' is required (INT32 token ids, shape [-1])")
-                stream = tensors.get("stream")
-                llm_request = parse_llm_request(
-                    tensors["input_ids"].reshape(-1).tolist(),
-                    _str(tensors, "sampling_parameters"),
-                    bool(stream.reshape(-1)[0]) if stream is not None else False,
-                    self.limits,
-                )
-            except (RequestError, UnicodeDecodeError) as exc:
+                if "abort_request_id" in tensors:
+                    self.host.submit_abort(string_input(tensors, "abort_request_id"))
+                    sender.send(flags=FINAL)
+                    continue
+                refusal = self.host.refusal(self.max_in_flight)
+                if refusal:
+                    self.metrics.metric["a3b_request_rejected_total"].increment(1)
+                    sender.send(triton_io.unavailable_response(pb_utils, refusal), flags=FINAL)
+                    continue
+                llm_request = parse_llm_request(tensors, self.limits)
+            except RequestError as exc:
                 sender.send(triton_io.error_response(pb_utils, str(exc)), flags=FINAL)
                 continue
             request_id = uuid.uuid4().hex
             self.host.submit(
-                request_id, self._serve(request_id, sender, llm_request, _str(tensors, "postprocess_config"))
+                request_id, self._serve(request_id, sender, llm_request, string_input(tensors, "postprocess_config"))
             )
-            self.metrics.metric["a3b_num_requests_in_flight"].set(self.host.in_flight)
         return None
 
     async def _serve(self, request_id: str, sender, llm_request: LlmRequest, postprocess_config: str):
         tracker = StepTracker(llm_request)
+        per_request = request_arrays(postprocess_config, request_id)
         sent_final = False
         try:
             async for output in self.host.generate(request_id, llm_request.prompt_ids, llm_request.sampling_params()):
@@ -86,7 +69,7 @@ class TritonPythonModel:
                     await self.host.abort(request_id)
                     break
                 step = tracker.step(output)
-                sender.send(triton_io.response(pb_utils, step_arrays(step, postprocess_config, request_id)),
+                sender.send(triton_io.response(pb_utils, step_arrays(step, per_request)),
                             flags=FINAL if step.final else 0)
                 sent_final = step.final
         except EngineDeadError as exc:
@@ -101,8 +84,6 @@ class TritonPythonModel:
         finally:
             if not sent_final:
                 sender.send(flags=FINAL)
-            # The host drops this request from its count when the coroutine ends.
-            self.metrics.metric["a3b_num_requests_in_flight"].set(max(self.host.in_flight - 1, 0))
 
     def finalize(self):
         self.host.shutdown()
