@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL_DIR ?= models/smollm2-135m-instruct
 
-.PHONY: setup model quantize serve test test-unit render perf-tools bench-eager quality clean
+.PHONY: setup model quantize serve test test-unit render perf-tools bench-cpu-modes quality clean
 
 setup:
 	bash scripts/setup.sh
@@ -32,8 +32,8 @@ perf-tools:
 	bash scripts/perf_tools.sh
 
 # vLLM eager vs torch.compile on the cpu profile (why the cpu profile runs eager)
-bench-eager: setup model
-	VLLM_CPU_KVCACHE_SPACE=1 $(PY) perf/eager_vs_compiled.py
+bench-cpu-modes: setup model
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) perf/cpu_engine_modes.py
 
 # A3B vs bf16 / RTN baselines: perplexity, bits per weight, table + plot under perf/quality
 quality: setup model

@@ -92,6 +92,10 @@ PROFILES: dict[str, Profile] = {
             # to garbage (eager: "The capital of France is Paris."), takes ~2 min
             # to start on 2 cores and decodes no faster: run eager.
             enforce_eager=True,
+            # Without AVX-512 BF16, torch's bf16 GEMM is a scalar fallback: on an
+            # AVX2 CPU, bf16 took 26.7 s for a 900-token prefill and 1.55 s for
+            # 32 tokens; float32 4.2 s and 0.68 s (perf/results/cpu_dtype.md).
+            dtype="float32",
         ),
         Profile(
             name="h200",

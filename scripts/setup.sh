@@ -40,6 +40,12 @@ step "installing tritonclient, test tools and the a3b-triton package"
 "${PIP[@]}" install -q "tritonclient[grpc,http]" gguf accelerate pytest pytest-timeout tqdm matplotlib "numpy==1.26.4"
 "${PIP[@]}" install -q --no-deps -e .
 
+step "building the A3B CPU kernel (C++, about a minute)"
+if ! command -v g++ >/dev/null; then
+  apt-get update -q && apt-get install -y -q g++
+fi
+"$VENV/bin/python" -c "from a3b_backend.kernels import cpu; cpu.ops()"
+
 # The Triton python-backend stub deserializes tensors with numpy<2 semantics.
 "$VENV/bin/python" - <<'PY'
 import numpy, sys

@@ -33,6 +33,8 @@ import torch
 LEVELS = 8
 TINY = 1e-12
 SUFFIXES = ("packed", "lo", "step", "delta", "lo_scale", "step_scale", "shape")
+METADATA = "int8-lo/uint8-step/uint8-delta+bf16-row-scales"
+SUPPORTED_VERSIONS = (1,)
 
 
 class QuantizationError(ValueError):
@@ -54,7 +56,32 @@ class A3BConfig:
 
     def to_json(self) -> dict:
         return {"quant_method": "a3b", "version": self.version, "block_shape": [self.block_rows, self.block_cols],
-                "bits": 4, "base_levels": LEVELS, "metadata": "int8-lo/uint8-step/uint8-delta+bf16-row-scales"}
+                "bits": 4, "base_levels": LEVELS, "metadata": METADATA}
+
+    @classmethod
+    def from_json(cls, config: dict) -> "A3BConfig":
+        """The checkpoint's `quantization_config`, checked field by field."""
+        def bad(field: str, allowed: str):
+            return QuantizationError(
+                f"quantization_config.{field} = {config.get(field)!r} is not supported; allowed: {allowed}")
+
+        if config.get("quant_method") != "a3b":
+            raise bad("quant_method", "'a3b'")
+        if config.get("version") not in SUPPORTED_VERSIONS:
+            raise bad("version", " or ".join(map(str, SUPPORTED_VERSIONS)) + " (this build's A3B readers)")
+        shape = config.get("block_shape")
+        if not (isinstance(shape, list) and len(shape) == 2 and all(type(v) is int for v in shape)):
+            raise bad("block_shape", "[rows, columns], two integers")
+        if config.get("bits", 4) != 4:
+            raise bad("bits", "4")
+        if config.get("base_levels", LEVELS) != LEVELS:
+            raise bad("base_levels", str(LEVELS))
+        if config.get("metadata", METADATA) != METADATA:
+            raise bad("metadata", repr(METADATA))
+        try:
+            return cls(shape[0], shape[1], version=config["version"])
+        except QuantizationError as exc:
+            raise QuantizationError(f"quantization_config.block_shape: {exc}") from None
 
 
 @dataclasses.dataclass
@@ -232,8 +259,8 @@ def dequantize(q: A3BWeight, config: A3BConfig) -> torch.Tensor:
         )
     codes = _padded(unpack_codes(q.packed), R, C)
     lo, step, d = table_params(q)
-    k = torch.arange(16) >> 1
-    sign = (torch.arange(16) & 1).float() * 2 - 1
+    k = torch.arange(16, device=q.packed.device) >> 1
+    sign = (torch.arange(16, device=q.packed.device) & 1).float() * 2 - 1
     tables = lo.reshape(-1, 1) + k.float() * step.reshape(-1, 1) + sign * d.reshape(-1, 1)  # [nb, 16]
     block_codes = to_blocks(codes.long(), R, C)
     values = torch.gather(tables, 1, block_codes)

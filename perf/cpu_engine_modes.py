@@ -1,7 +1,8 @@
-"""vLLM eager vs torch.compile on the CPU profile's model: greedy answer, start time, decode speed.
+"""vLLM on the CPU profile's model in each engine mode (eager or torch.compile,
+bf16 or float32): greedy answer, start time, decode and prefill speed.
 
-    .venv/bin/python perf/eager_vs_compiled.py            # both, one after the other
-    .venv/bin/python perf/eager_vs_compiled.py --mode eager
+    .venv/bin/python perf/cpu_engine_modes.py                  # every mode, one after the other
+    .venv/bin/python perf/cpu_engine_modes.py --mode eager/float32
 
 Each mode runs in a fresh process (vLLM engines do not share one well).
 """
@@ -18,6 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 QUESTION = "What is the capital of France?"
 DECODE_TOKENS = 64
+PREFILL_TEXT = "The quick brown fox jumps over the lazy dog. " * 90  # ~900 tokens
+MODES = ("eager/float32", "eager/bfloat16", "compiled/float32")
 
 
 def measure(mode: str) -> dict:
@@ -29,7 +32,8 @@ def measure(mode: str) -> dict:
 
     profile = get_profile("cpu")
     args = profile.engine_args(ROOT)
-    args["enforce_eager"] = mode == "eager"
+    compile_mode, args["dtype"] = mode.split("/")
+    args["enforce_eager"] = compile_mode == "eager"
     tokenizer = AutoTokenizer.from_pretrained(args["model"])
     text = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
                                          add_generation_prompt=True)
@@ -41,29 +45,34 @@ def measure(mode: str) -> dict:
     start = time.perf_counter()
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=DECODE_TOKENS, ignore_eos=True))
     tokens_per_s = DECODE_TOKENS / (time.perf_counter() - start)
+    long_prompt = TokensPrompt(prompt_token_ids=tokenizer.encode(PREFILL_TEXT))
+    start = time.perf_counter()
+    llm.generate([long_prompt], SamplingParams(max_tokens=1))
+    prefill_tokens_per_s = len(long_prompt["prompt_token_ids"]) / (time.perf_counter() - start)
     llm.llm_engine.engine_core.shutdown()  # else the EngineCore process can outlive this one
     return {"mode": mode, "start_s": round(started_s, 1), "decode_tokens_per_s": round(tokens_per_s, 1),
-            "greedy_answer": answer}
+            "prefill_tokens_per_s": round(prefill_tokens_per_s), "greedy_answer": answer}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("eager", "compiled"))
+    parser.add_argument("--mode", choices=MODES)
     args = parser.parse_args()
     if args.mode:
         print("RESULT " + json.dumps(measure(args.mode)), flush=True)
         return 0
     rows = []
-    for mode in ("eager", "compiled"):
+    for mode in MODES:
         done = subprocess.run([sys.executable, __file__, "--mode", mode], capture_output=True, text=True)
         line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
         if line is None:
             print(done.stderr[-3000:], file=sys.stderr)
             return 1
         rows.append(json.loads(line[len("RESULT "):]))
-    print("| mode | engine start (s) | decode tokens/s | greedy answer |\n|---|---|---|---|")
+    print("| mode | engine start (s) | decode tokens/s | prefill tokens/s | greedy answer |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['start_s']} | {r['decode_tokens_per_s']} | {r['greedy_answer']!r} |")
+        print(f"| {r['mode']} | {r['start_s']} | {r['decode_tokens_per_s']} | {r['prefill_tokens_per_s']} "
+              f"| {r['greedy_answer']!r} |")
     return 0
 
 

@@ -1,0 +1,233 @@
+"""vLLM quantization method "a3b": serve A3B checkpoints (docs/a3b_format.md) natively.
+
+Registered in every vLLM process (the EngineCore and its workers included)
+through the `vllm.general_plugins` entry point `register`. vLLM picks it from
+the checkpoint's config.json `quantization_config.quant_method`.
+
+The packed codes and the stored metadata are loaded as they are, sharded by
+vLLM's tensor-parallel loaders (merged qkv / gate_up shards land at their
+offsets), and stay packed while serving. Execution by device:
+  CPU   the C++ kernel (a3b_backend/kernels/cpu.py), strategy from $A3B_CPU_LINEAR;
+  other a torch reference path (dequantize, then matmul) until the GPU kernels
+        are wired in.
+$A3B_CPU_LINEAR=expand dequantizes every weight to the model dtype at load
+instead: an explicit option for comparison, never the default.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.linear import (LinearBase, LinearMethodBase, UnquantizedLinearMethod,
+                                               register_weight_loader_v2_supported_method)
+from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.parameter import BasevLLMParameter, PackedColumnParameter, PackedvLLMParameter
+
+from a3b_backend.kernels import cpu as cpu_kernels
+from a3b_backend.quant.format import SUFFIXES, A3BConfig, A3BWeight, QuantizationError, dequantize
+
+NAME = "a3b"
+STRATEGY_ENV = "A3B_CPU_LINEAR"
+DEFAULT_CPU_STRATEGY = "fused"
+CPU_STRATEGIES = (*cpu_kernels.STRATEGIES, "expand")
+META = ("lo", "step", "delta")
+SCALES = ("lo_scale", "step_scale")
+
+
+class A3BCheckpointError(ValueError):
+    """The checkpoint's A3B tensors do not fit its config or the model."""
+
+
+def cpu_strategy() -> str:
+    chosen = os.environ.get(STRATEGY_ENV, DEFAULT_CPU_STRATEGY)
+    if chosen not in CPU_STRATEGIES:
+        raise ValueError(f"{STRATEGY_ENV}={chosen!r}; allowed: {', '.join(CPU_STRATEGIES)}")
+    return chosen
+
+
+class A3BQuantConfig(QuantizationConfig):
+    def __init__(self, format_config: A3BConfig, quantized_layers: str):
+        super().__init__()
+        self.format = format_config
+        self.block = (format_config.block_rows, format_config.block_cols)
+        self.quantized_layers = re.compile(quantized_layers)
+
+    def get_name(self) -> str:
+        return NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 80
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "A3BQuantConfig":
+        try:
+            format_config = A3BConfig.from_json(config)
+        except QuantizationError as exc:
+            raise A3BCheckpointError(str(exc)) from None
+        pattern = config.get("quantized_layers")
+        if not isinstance(pattern, str):
+            raise A3BCheckpointError("quantization_config.quantized_layers is missing: a regex of module names")
+        try:
+            return cls(format_config, pattern)
+        except re.error as exc:
+            raise A3BCheckpointError(f"quantization_config.quantized_layers is not a valid regex: {exc}") from None
+
+    def checkpoint_names(self, prefix: str) -> list[str]:
+        """The checkpoint module names behind a (possibly merged) vLLM layer."""
+        parent, _, last = prefix.rpartition(".")
+        shards = self.packed_modules_mapping.get(last)
+        return [f"{parent}.{s}" if parent else s for s in shards] if shards else [prefix]
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, LinearBase):
+            names = self.checkpoint_names(prefix)
+            quantized = [bool(self.quantized_layers.search(n)) for n in names]
+            if all(quantized):
+                return A3BLinearMethod(self, names)
+            if any(quantized):
+                raise A3BCheckpointError(
+                    f"{prefix}: vLLM merges {', '.join(names)} into one layer, but quantized_layers matches only "
+                    f"some of them ({', '.join(n for n, q in zip(names, quantized) if q)})")
+            return UnquantizedLinearMethod()
+        return None
+
+
+def _checkpoint_shapes(layer: torch.nn.Module, shards: int, output_size: int,
+                       input_size: int) -> list[tuple[int, int]]:
+    """Full (unsharded) [out, in] of each checkpoint weight behind a layer."""
+    if hasattr(layer, "total_num_kv_heads"):  # QKVParallelLinear
+        kv = layer.total_num_kv_heads * getattr(layer, "v_head_size", layer.head_size)
+        return [(layer.total_num_heads * layer.head_size, input_size), (layer.total_num_kv_heads * layer.head_size,
+                                                                          input_size), (kv, input_size)]
+    if shards > 1:  # MergedColumnParallelLinear
+        return [(size, input_size) for size in layer.output_sizes]
+    return [(output_size, input_size)]
+
+
+def _shard_index(shard_id: int | str | None) -> int:
+    if shard_id is None:
+        return 0
+    return {"q": 0, "k": 1, "v": 2}.get(shard_id, shard_id)  # type: ignore[arg-type]
+
+
+class A3BLinearMethod(LinearMethodBase):
+    """One linear layer (or a merged qkv / gate_up) with A3B weights."""
+
+    def __init__(self, config: A3BQuantConfig, checkpoint_names: list[str]):
+        self.config = config
+        self.names = checkpoint_names
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        rows, cols = self.config.block
+        load = extra_weight_attrs["weight_loader"]
+        out = sum(output_partition_sizes)
+        self._check_partitioning(output_partition_sizes, input_size_per_partition, input_size)
+        self.checkpoint_shapes = _checkpoint_shapes(layer, len(output_partition_sizes), output_size, input_size)
+        layer.a3b_loaded = set()
+        layer.a3b_in_features = input_size_per_partition
+        block_rows_out, block_cols_in = -(-out // rows), -(-input_size_per_partition // cols)
+
+        def checked(kind: str):
+            def loader(param, loaded_weight, loaded_shard_id=None):
+                index = _shard_index(loaded_shard_id)
+                self._check_tensor(kind, index, loaded_weight)
+                layer.a3b_loaded.add((kind, index))
+                if kind == "shape":
+                    return
+                if loaded_shard_id is None:
+                    return load(param, loaded_weight)
+                return load(param, loaded_weight, loaded_shard_id)
+            return loader
+
+        def add(kind: str, param: torch.nn.Parameter):
+            layer.register_parameter(f"weight_{kind}", param)
+
+        add("packed", PackedvLLMParameter(
+            data=torch.empty(out, -(-input_size_per_partition // 2), dtype=torch.uint8), input_dim=1, output_dim=0,
+            packed_dim=1, packed_factor=2, weight_loader=checked("packed")))
+        for kind, dtype in zip(META, (torch.int8, torch.uint8, torch.uint8)):
+            add(kind, PackedvLLMParameter(
+                data=torch.empty(block_rows_out, block_cols_in, dtype=dtype), input_dim=1, output_dim=0,
+                packed_dim=0, packed_factor=rows, weight_loader=checked(kind)))
+        for kind in SCALES:
+            add(kind, PackedColumnParameter(
+                data=torch.empty(block_rows_out, dtype=torch.bfloat16), output_dim=0, packed_dim=0,
+                packed_factor=rows, weight_loader=checked(kind)))
+        # Read only to check it against the model's shape; never loaded into the layer.
+        add("shape", BasevLLMParameter(data=torch.empty(2, dtype=torch.int32), weight_loader=checked("shape")))
+
+    def _check_partitioning(self, output_partition_sizes: list[int], input_per_partition: int, input_size: int):
+        rows, cols = self.config.block
+        if len(output_partition_sizes) > 1 and any(size % rows for size in output_partition_sizes):
+            raise A3BCheckpointError(
+                f"{', '.join(self.names)}: merged output sizes {output_partition_sizes} are not multiples of the "
+                f"block rows ({rows}); quantize with block_shape [1, C]")
+        if input_per_partition != input_size and input_per_partition % cols:
+            raise A3BCheckpointError(
+                f"{self.names[0]}: tensor-parallel input slices of {input_per_partition} columns cut A3B blocks of "
+                f"{cols} columns; choose a tensor-parallel size that divides the blocks")
+
+    def _check_tensor(self, kind: str, index: int, loaded: torch.Tensor) -> None:
+        rows, cols = self.config.block
+        name = f"{self.names[index]}.weight_{kind}"
+        out, inp = self.checkpoint_shapes[index]
+        expected = {"packed": (out, -(-inp // 2)), "shape": (2,)}
+        expected.update({k: (-(-out // rows), -(-inp // cols)) for k in META})
+        expected.update({k: (-(-out // rows),) for k in SCALES})
+        if tuple(loaded.shape) != expected[kind]:
+            raise A3BCheckpointError(
+                f"{name} has shape {list(loaded.shape)}; a [{out}, {inp}] weight in {rows}x{cols} blocks "
+                f"(quantization_config.block_shape) needs {list(expected[kind])}")
+        if kind == "shape" and loaded.tolist() != [out, inp]:
+            raise A3BCheckpointError(f"{name} = {loaded.tolist()} but the model expects a [{out}, {inp}] weight")
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        missing = [f"{self.names[i]}.weight_{kind}" for i in range(len(self.names))
+                   for kind in SUFFIXES if (kind, i) not in layer.a3b_loaded]
+        if missing:
+            raise A3BCheckpointError(f"A3B tensors missing from the checkpoint: {', '.join(missing)}")
+        del layer.weight_shape
+        tensors = {k: getattr(layer, f"weight_{k}").data for k in (*META, *SCALES, "packed")}
+        layer.a3b = tensors
+        if layer.weight_packed.device.type == "cpu" and cpu_strategy() == "expand":
+            weight = cpu_kernels.dequantize(tensors, layer.a3b_in_features, self.config.block)
+            for k in (*META, *SCALES, "packed"):
+                delattr(layer, f"weight_{k}")
+            layer.a3b = None
+            layer.weight = torch.nn.Parameter(weight.to(layer.params_dtype), requires_grad=False)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.a3b is None:  # expanded at load
+            return torch.nn.functional.linear(x, layer.weight, bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        if x.device.type == "cpu":
+            y = cpu_kernels.linear(x2, layer.a3b, layer.a3b_in_features, self.config.block, cpu_strategy())
+        else:  # torch reference path, not a kernel: see issue "Kernels"
+            y = x2.float() @ self._reference_weight(layer).T
+        y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
+
+    def _reference_weight(self, layer: torch.nn.Module) -> torch.Tensor:
+        t = layer.a3b
+        out = t["packed"].shape[0]
+        q = A3BWeight(**t, shape=torch.tensor([out, layer.a3b_in_features]))
+        return dequantize(q, self.config.format)
+
+
+def register() -> None:
+    """vllm.general_plugins entry point."""
+    if NAME not in QUANTIZATION_METHODS:
+        register_quantization_config(NAME)(A3BQuantConfig)
+        register_weight_loader_v2_supported_method(A3BLinearMethod)

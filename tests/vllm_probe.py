@@ -1,0 +1,39 @@
+"""Runs vLLM on a checkpoint in a process of its own (vLLM spawns its engine;
+tests call this with subprocess). Prints one JSON line prefixed with RESULT.
+
+    python tests/vllm_probe.py prompt-logprobs MODEL_DIR 1,2,3
+    python tests/vllm_probe.py greedy MODEL_DIR 1,2,3 [max_tokens]
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def engine(model_dir: str):
+    from vllm import LLM
+
+    return LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
+               max_num_batched_tokens=256, max_num_seqs=4, load_format="safetensors")
+
+
+def main(mode: str, model_dir: str, ids: str, max_tokens: str = "16") -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    token_ids = [int(i) for i in ids.split(",")]
+    prompt = TokensPrompt(prompt_token_ids=token_ids)
+    llm = engine(model_dir)
+    if mode == "prompt-logprobs":
+        out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False))[0]
+        # position i (i >= 1): log p(prompt[i] | prompt[:i])
+        result = [p[t].logprob for p, t in zip(out.prompt_logprobs[1:], token_ids[1:])]
+    else:
+        params = SamplingParams(temperature=0, max_tokens=int(max_tokens), detokenize=False, ignore_eos=True)
+        result = list(llm.generate([prompt], params)[0].outputs[0].token_ids)
+    llm.llm_engine.engine_core.shutdown()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
