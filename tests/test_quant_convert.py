@@ -16,9 +16,9 @@ CONFIG = A3BConfig(1, 32, iterations=2)  # the converter tests' quantizer
 def tiny(tmp_path: Path, model_type: str, vocab_size: int = 256, **extra) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=vocab_size,
-                               **extra)
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=vocab_size)
+    cfg = AutoConfig.for_model(model_type, **{**shape, **extra})
     torch.manual_seed(0)
     path = tmp_path / model_type
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)

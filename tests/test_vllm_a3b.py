@@ -1,0 +1,91 @@
+"""The vLLM "a3b" method: tiny converted checkpoints load in vLLM on the CPU and
+compute what transformers computes with the dequantized weights; malformed
+checkpoints fail at load naming the tensor and the problem."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from a3b_backend.quant.convert import convert
+from a3b_backend.quant.format import A3BConfig
+from test_quant_convert import MOE, _dequantized_model, tiny
+
+PROBE = Path(__file__).with_name("vllm_probe.py")
+CONFIG = A3BConfig(1, 32, iterations=2)
+# vLLM's CPU attention needs head_dim >= 32.
+VLLM_SHAPE = dict(hidden_size=128, head_dim=32)
+PROMPT = [3, 17, 42, 99, 7, 128, 200, 5, 64, 31, 250, 11]
+# Max |log p| difference between vLLM (float32, A3B kernels) and transformers
+# (float32, dequantized weights): summation order only.
+LOGPROB_TOLERANCE = 2e-3
+
+
+def probe(mode: str, model_dir: Path, *args: str) -> tuple[object | None, str]:
+    done = subprocess.run([sys.executable, str(PROBE), mode, str(model_dir), ",".join(map(str, PROMPT)), *args],
+                          capture_output=True, text=True, timeout=600)
+    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+    return (json.loads(line[len("RESULT "):]) if line else None), done.stdout + done.stderr
+
+
+def reference_logprobs(model) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0].float()
+    logp = torch.log_softmax(logits, -1)
+    return [logp[i - 1, PROMPT[i]].item() for i in range(1, len(PROMPT))]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("llama")
+    src = tiny(tmp, "llama", **VLLM_SHAPE)
+    return src, convert(src, tmp / "a3b", CONFIG)
+
+
+@pytest.mark.parametrize("model_type, extra", [("llama", {}), ("qwen3_moe", dict(MOE, decoder_sparse_step=1))])
+def test_vllm_logits_match_dequantized_reference(tmp_path, model_type, extra):
+    src = tiny(tmp_path, model_type, **VLLM_SHAPE, **extra)
+    dst = convert(src, tmp_path / "a3b", CONFIG)
+    logprobs, log = probe("prompt-logprobs", dst)
+    assert logprobs is not None, log[-4000:]
+    expected = reference_logprobs(_dequantized_model(dst, src))
+    diff = max(abs(a - b) for a, b in zip(logprobs, expected))
+    assert diff < LOGPROB_TOLERANCE, (logprobs, expected)
+
+
+def _edit(src: Path, dst: Path, config_edit=None, tensor_edit=None) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    if config_edit:
+        config = json.loads((dst / "config.json").read_text())
+        config_edit(config["quantization_config"])
+        (dst / "config.json").write_text(json.dumps(config))
+    if tensor_edit:
+        for shard in dst.glob("*.safetensors"):
+            tensors = load_file(shard)
+            tensor_edit(tensors)
+            save_file(tensors, shard, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("case, config_edit, tensor_edit, message", [
+    ("version", lambda c: c.update(version=2), None, r"quantization_config\.version = 2 is not supported"),
+    ("block", lambda c: c.update(block_shape=[1, 16]), None,
+     r"model\.layers\.\d\.\S+\.weight_(lo|step|delta) has shape \[\d+, \d\]; a \[\d+, \d+\] weight in 1x16 "
+     r"blocks \(quantization_config.block_shape\) needs \[\d+, \d+\]"),
+    ("missing", None, lambda t: t.pop("model.layers.1.mlp.up_proj.weight_step"),
+     r"A3B tensors missing from the checkpoint: model\.layers\.1\.mlp\.up_proj\.weight_step"),
+])
+def test_malformed_checkpoint_fails_at_load_naming_the_tensor(llama, tmp_path, case, config_edit, tensor_edit,
+                                                              message):
+    bad = _edit(llama[1], tmp_path / case, config_edit, tensor_edit)
+    result, log = probe("greedy", bad, "2")
+    assert result is None
+    assert re.search(message, log), log[-4000:]
