@@ -25,6 +25,10 @@ class Profile:
     max_model_len: int
     default_max_tokens: int
     tensor_parallel_size: int = 1
+    # Whole experts per rank instead of slicing every expert across ranks: A3B
+    # blocks (1x128) cannot be cut by a tensor-parallel split of the 512-wide
+    # expert intermediate into 64-column slices.
+    enable_expert_parallel: bool = False
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -55,6 +59,7 @@ class Profile:
             model=str(self.resolve_model_dir(project_root)),
             max_model_len=self.max_model_len,
             tensor_parallel_size=self.tensor_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel,
             kv_cache_dtype=self.kv_cache_dtype,
             enable_prefix_caching=self.enable_prefix_caching,
             enable_chunked_prefill=self.enable_chunked_prefill,
@@ -79,7 +84,8 @@ PROFILES: dict[str, Profile] = {
     for p in (
         Profile(
             name="cpu",
-            model_dir="models/smollm2-135m-instruct",
+            # `make model`: SmolLM2-135M-Instruct converted to A3B by a3b-quantize
+            model_dir="models/smollm2-135m-instruct-a3b",
             max_model_len=8192,
             default_max_tokens=512,
             # vLLM's start-up profile run is one forward of max_num_batched_tokens:
@@ -113,6 +119,7 @@ PROFILES: dict[str, Profile] = {
             max_model_len=131072,
             default_max_tokens=2048,
             tensor_parallel_size=8,
+            enable_expert_parallel=True,
             kv_cache_dtype="fp8",
             max_num_seqs=64,
             max_num_batched_tokens=4096,

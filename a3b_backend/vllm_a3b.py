@@ -20,6 +20,9 @@ import re
 from typing import Any
 
 import torch
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.linear import (LinearBase, LinearMethodBase, UnquantizedLinearMethod,
                                                register_weight_loader_v2_supported_method)
 from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
@@ -100,6 +103,8 @@ class A3BQuantConfig(QuantizationConfig):
                     f"{prefix}: vLLM merges {', '.join(names)} into one layer, but quantized_layers matches only "
                     f"some of them ({', '.join(n for n, q in zip(names, quantized) if q)})")
             return UnquantizedLinearMethod()
+        if isinstance(layer, RoutedExperts):
+            return A3BMoEMethod(self, layer.moe_config, prefix)
         return None
 
 
@@ -180,18 +185,8 @@ class A3BLinearMethod(LinearMethodBase):
                 f"{cols} columns; choose a tensor-parallel size that divides the blocks")
 
     def _check_tensor(self, kind: str, index: int, loaded: torch.Tensor) -> None:
-        rows, cols = self.config.block
-        name = f"{self.names[index]}.weight_{kind}"
-        out, inp = self.checkpoint_shapes[index]
-        expected = {"packed": (out, -(-inp // 2)), "shape": (2,)}
-        expected.update({k: (-(-out // rows), -(-inp // cols)) for k in META})
-        expected.update({k: (-(-out // rows),) for k in SCALES})
-        if tuple(loaded.shape) != expected[kind]:
-            raise A3BCheckpointError(
-                f"{name} has shape {list(loaded.shape)}; a [{out}, {inp}] weight in {rows}x{cols} blocks "
-                f"(quantization_config.block_shape) needs {list(expected[kind])}")
-        if kind == "shape" and loaded.tolist() != [out, inp]:
-            raise A3BCheckpointError(f"{name} = {loaded.tolist()} but the model expects a [{out}, {inp}] weight")
+        check_stored_tensor(f"{self.names[index]}.weight_{kind}", kind, loaded, self.checkpoint_shapes[index],
+                            self.config.block)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         missing = [f"{self.names[i]}.weight_{kind}" for i in range(len(self.names))
@@ -224,6 +219,137 @@ class A3BLinearMethod(LinearMethodBase):
         out = t["packed"].shape[0]
         q = A3BWeight(**t, shape=torch.tensor([out, layer.a3b_in_features]))
         return dequantize(q, self.config.format)
+
+
+def _expected_shapes(out: int, inp: int, block: tuple[int, int]) -> dict[str, tuple[int, ...]]:
+    """Shapes of the stored A3B tensors of one [out, in] weight."""
+    rows, cols = block
+    shapes = {"packed": (out, -(-inp // 2)), "shape": (2,)}
+    shapes.update({k: (-(-out // rows), -(-inp // cols)) for k in META})
+    shapes.update({k: (-(-out // rows),) for k in SCALES})
+    return shapes
+
+
+def check_stored_tensor(name: str, kind: str, loaded: torch.Tensor, weight_shape: tuple[int, int],
+                        block: tuple[int, int]) -> None:
+    """Refuse a stored A3B tensor that does not fit the model's [out, in] weight and the block shape."""
+    out, inp = weight_shape
+    expected = _expected_shapes(out, inp, block)[kind]
+    if tuple(loaded.shape) != expected:
+        raise A3BCheckpointError(
+            f"{name} has shape {list(loaded.shape)}; a [{out}, {inp}] weight in {block[0]}x{block[1]} blocks "
+            f"(quantization_config.block_shape) needs {list(expected)}")
+    if kind == "shape" and loaded.tolist() != [out, inp]:
+        raise A3BCheckpointError(f"{name} = {loaded.tolist()} but the model expects a [{out}, {inp}] weight")
+
+
+EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+KIND_DTYPES = {"packed": torch.uint8, "lo": torch.int8, "step": torch.uint8, "delta": torch.uint8,
+               "lo_scale": torch.bfloat16, "step_scale": torch.bfloat16, "shape": torch.int32}
+
+
+class A3BMoEMethod(FusedMoEMethodBase):
+    """Routed experts with A3B weights: w13 = [gate; up] and w2 = down per expert."""
+
+    def __init__(self, config: A3BQuantConfig, moe, prefix: str):
+        super().__init__(moe)
+        self.config = config
+        self.prefix = prefix
+
+    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        rows, cols = self.config.block
+        inter, tp = intermediate_size_per_partition, self.moe.tp_size
+        if inter % rows or (tp > 1 and inter % cols):
+            raise A3BCheckpointError(
+                f"{self.prefix}: expert intermediate size {inter} per tensor-parallel rank does not split into "
+                f"A3B blocks of {rows}x{cols}")
+        # Per-partition [out, in] of each stem, and the full checkpoint [out, in] of one shard.
+        self.partition = {"w13": (2 * inter, hidden_size), "w2": (hidden_size, inter)}
+        self.checkpoint = {"w1": (inter * tp, hidden_size), "w3": (inter * tp, hidden_size),
+                           "w2": (hidden_size, inter * tp)}
+        layer.a3b_loaded = set()
+        for stem, (out, inp) in self.partition.items():
+            for kind, shape in _expected_shapes(out, inp, self.config.block).items():
+                param = torch.nn.Parameter(torch.empty(num_experts, *shape, dtype=KIND_DTYPES[kind]),
+                                           requires_grad=False)
+                param.weight_loader = self._loader(layer, kind)
+                layer.register_parameter(f"{stem}_weight_{kind}", param)
+
+    def _loader(self, layer: torch.nn.Module, kind: str):
+        def load(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+            local = layer._map_global_expert_id_to_local_expert_id(expert_id)
+            if local == -1:
+                return False if return_success else None
+            check_stored_tensor(f"{self.prefix}.{expert_id}.{EXPERT_PROJ[shard_id]}.weight_{kind}", kind,
+                                loaded_weight, self.checkpoint[shard_id], self.config.block)
+            if kind != "shape":
+                self._copy_shard(param.data[local], loaded_weight, shard_id, kind)
+            layer.a3b_loaded.add((local, shard_id, kind))
+            return True if return_success else None
+        return load
+
+    def _copy_shard(self, dst: torch.Tensor, src: torch.Tensor, shard_id: str, kind: str) -> None:
+        rank = self.moe.tp_rank
+        if shard_id == "w2":  # input dimension split across ranks; scales have none
+            if src.dim() == 2:
+                width = dst.shape[1]
+                src = src.narrow(1, rank * width, width)
+            dst.copy_(src)
+            return
+        half = dst.shape[0] // 2  # w13 = [gate; up], output dimension split across ranks
+        dst.narrow(0, 0 if shard_id == "w1" else half, half).copy_(src.narrow(0, rank * half, half))
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        experts = layer.w13_weight_packed.shape[0]
+        missing = [f"{self.prefix}.{e}.{EXPERT_PROJ[shard]}.weight_{kind}" for e in range(experts)
+                   for shard in EXPERT_PROJ for kind in KIND_DTYPES if (e, shard, kind) not in layer.a3b_loaded]
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise A3BCheckpointError(f"A3B tensors missing from the checkpoint: {', '.join(missing[:5])}{more}")
+        del layer.w13_weight_shape, layer.w2_weight_shape
+        if layer.moe_config.activation != MoEActivation.SILU or layer.apply_router_weight_on_input:
+            raise A3BCheckpointError(f"{self.prefix}: A3B experts support SiLU-gated experts with router weights "
+                                     f"applied to the output only (got {layer.moe_config.activation})")
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module):
+        return None
+
+    def _expert(self, layer: torch.nn.Module, stem: str, expert: int) -> dict[str, torch.Tensor]:
+        return {k: getattr(layer, f"{stem}_weight_{k}")[expert] for k in (*META, *SCALES, "packed")}
+
+    def _expert_linear(self, x: torch.Tensor, layer: torch.nn.Module, stem: str, expert: int) -> torch.Tensor:
+        t = self._expert(layer, stem, expert)
+        out, inp = self.partition[stem]
+        if x.device.type == "cpu":
+            return cpu_kernels.linear(x, t, inp, self.config.block, cpu_strategy())
+        q = A3BWeight(**t, shape=torch.tensor([out, inp]))  # torch reference path, not a kernel
+        return x.float() @ dequantize(q, self.config.format).T
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              shared_experts=None, shared_experts_input=None) -> torch.Tensor:
+        ids = topk_ids if layer.expert_map is None else layer.expert_map[topk_ids.long()]
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        for expert in ids.unique().tolist():
+            if expert < 0:  # another rank's expert
+                continue
+            tokens, slot = (ids == expert).nonzero(as_tuple=True)
+            gate_up = self._expert_linear(x[tokens], layer, "w13", expert)
+            gate, up = gate_up.chunk(2, dim=-1)
+            down = self._expert_linear(torch.nn.functional.silu(gate) * up, layer, "w2", expert)
+            out.index_add_(0, tokens, down * topk_weights[tokens, slot, None].float())
+        return out.to(x.dtype)
+
+
+def linear_weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes the linear layers' parameters occupy in this process, and their weights' element count
+    (run in the engine's worker through LLM.apply_model)."""
+    resident = elements = 0
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            resident += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+            elements += module.input_size * module.output_size
+    return {"resident": resident, "elements": elements}
 
 
 def register() -> None:

@@ -1,16 +1,20 @@
 // A3B linear on the CPU, reading the 4-bit codes in place.
 //
-// A weight w = lo + k*step + (s ? +d : -d) with code c = (k << 1) | s, so per
-// block  sum_i x_i w_i = (lo - d) * sum_i x_i + step * sum_i x_i k_i + 2d * sum_i x_i s_i.
-// Per block the codes are unpacked once into k and s lanes and reused for every
-// row of x; the block sums of x are computed once per call.  Metadata stays in
-// its stored (double-quantized) form and is decoded per block.
+// Each block is a 16-entry value table (docs/a3b_format.md), decoded per block
+// from the stored double-quantized metadata. With AVX2 a weight's value is two
+// 8-lane table permutes and a blend on its code, so 8 weights cost a handful of
+// instructions and are reused for every row of x; other CPUs take the scalar loop.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #include <vector>
 
 namespace {
+
+constexpr int64_t kMaxRows = 8;  // kernels/cpu.py FUSED_MAX_ROWS
 
 struct Meta {
   const uint8_t* packed;
@@ -42,71 +46,118 @@ Meta meta_of(const torch::Tensor& packed, const torch::Tensor& lo, const torch::
               step_scale.data_ptr<at::BFloat16>(), n, in_features, packed.size(1), nbc, rows, cols};
 }
 
-// (lo - d, step, 2d) of block (row n, block column b), decoded from the stored bytes.
-inline void block_table(const Meta& m, int64_t row, int64_t b, float& base, float& step, float& d2) {
+// The 16-entry value table of block (row, b), decoded from the stored bytes:
+// T[c] = lo + (c >> 1) * step + (c & 1 ? d : -d).
+inline void block_table(const Meta& m, int64_t row, int64_t b, float* table) {
   const int64_t rb = row / m.rows;
   const int64_t idx = rb * m.nbc + b;
   const float lo = float(m.lo[idx]) * float(m.lo_scale[rb]);
-  step = float(m.step[idx]) * float(m.step_scale[rb]);
+  const float step = float(m.step[idx]) * float(m.step_scale[rb]);
   const float d = step * float(m.delta[idx]) / 255.0f;
-  base = lo - d;
-  d2 = 2.0f * d;
+#pragma omp simd
+  for (int c = 0; c < 16; ++c) table[c] = lo + float(c >> 1) * step + float(2 * (c & 1) - 1) * d;
+}
+
+// Calls vec(i, values of weights i..i+7) for each whole group of 8 weights of
+// one block row, then one(i, value) for the tail; `codes` starts at the block.
+template <typename Vec, typename One>
+inline void for_each_weight(const uint8_t* codes, int64_t width, const float* table, Vec vec, One one) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  const __m256 lo_table = _mm256_loadu_ps(table), hi_table = _mm256_loadu_ps(table + 8);
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  for (; i + 32 <= width; i += 32) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i / 2));
+    const __m128i low = _mm_and_si128(bytes, nibble);
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+    // Column order: the low nibble of byte j is column 2j, the high one 2j+1.
+    const __m128i first = _mm_unpacklo_epi8(low, high), second = _mm_unpackhi_epi8(low, high);
+    const __m128i groups[4] = {first, _mm_srli_si128(first, 8), second, _mm_srli_si128(second, 8)};
+    for (int g = 0; g < 4; ++g) {
+      const __m256i c = _mm256_cvtepu8_epi32(groups[g]);
+      const __m256 from_low = _mm256_permutevar8x32_ps(lo_table, c);
+      const __m256 from_high = _mm256_permutevar8x32_ps(hi_table, c);
+      // Bit 3 of the code picks the table half: move it to the sign bit for blendv.
+      vec(i + 8 * g, _mm256_blendv_ps(from_low, from_high, _mm256_castsi256_ps(_mm256_slli_epi32(c, 28))));
+    }
+  }
+#endif
+  for (; i < width; ++i) one(i, table[(codes[i / 2] >> ((i & 1) * 4)) & 15]);
 }
 
 }  // namespace
 
-// y[M, N] = x[M, K] @ W^T, fp32 accumulation.  For small M (decode).
+// Rows [begin, end) of y = x @ W^T for M rows of x; M is a template argument
+// so the accumulators live in registers.
+template <int M>
+void linear_rows(const Meta& m, const float* xp, float* yp, int64_t begin, int64_t end) {
+  // With one row of x, four accumulators break the FMA dependency chain.
+  constexpr int kChains = M == 1 ? 4 : (M == 2 ? 2 : 1);
+  alignas(32) float table[16];
+  const int64_t K = m.k, cols = m.cols;
+  for (int64_t row = begin; row < end; ++row) {
+    float acc[M] = {0.0f};
+#ifdef __AVX2__
+    __m256 acc8[M][kChains];
+    for (int r = 0; r < M; ++r)
+      for (int g = 0; g < kChains; ++g) acc8[r][g] = _mm256_setzero_ps();
+#endif
+    const uint8_t* codes = m.packed + row * m.kp;
+    for (int64_t b = 0; b < m.nbc; ++b) {
+      const int64_t c0 = b * cols;
+      block_table(m, row, b, table);
+      for_each_weight(
+          codes + c0 / 2, std::min(cols, K - c0), table,
+          [&](int64_t i, auto values) {
+#ifdef __AVX2__
+            const int g = (i / 8) % kChains;
+            for (int r = 0; r < M; ++r)
+              acc8[r][g] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + r * K + c0 + i), values, acc8[r][g]);
+#endif
+          },
+          [&](int64_t i, float value) {
+            for (int r = 0; r < M; ++r) acc[r] += xp[r * K + c0 + i] * value;
+          });
+    }
+    for (int r = 0; r < M; ++r) {
+#ifdef __AVX2__
+      alignas(32) float lanes[8];
+      __m256 sum = acc8[r][0];
+      for (int g = 1; g < kChains; ++g) sum = _mm256_add_ps(sum, acc8[r][g]);
+      _mm256_store_ps(lanes, sum);
+      for (float lane : lanes) acc[r] += lane;
+#endif
+      yp[r * m.n + row] = acc[r];
+    }
+  }
+}
+
+template <int M>
+void linear_dispatch(int64_t rows_of_x, const Meta& m, const float* xp, float* yp, int64_t begin, int64_t end) {
+  if constexpr (M <= kMaxRows) {
+    if (rows_of_x == M) return linear_rows<M>(m, xp, yp, begin, end);
+    linear_dispatch<M + 1>(rows_of_x, m, xp, yp, begin, end);
+  }
+}
+
+// y[M, N] = x[M, K] @ W^T, fp32 accumulation, codes read in place. For small M (decode).
 torch::Tensor a3b_linear(const torch::Tensor& x_in, const torch::Tensor& packed, const torch::Tensor& lo,
                          const torch::Tensor& step, const torch::Tensor& delta, const torch::Tensor& lo_scale,
                          const torch::Tensor& step_scale, int64_t rows, int64_t cols) {
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
-  TORCH_CHECK(x.dim() == 2, "a3b: x must be 2-D");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows, "a3b_linear: x must be 2-D with 1..",
+              kMaxRows, " rows");
   const int64_t M = x.size(0), K = x.size(1);
   const Meta m = meta_of(packed, lo, step, delta, lo_scale, step_scale, K, rows, cols);
   const float* xp = x.data_ptr<float>();
-  // Block sums of x, shared by every output row.
-  std::vector<float> xsum(M * m.nbc, 0.0f);
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t i = 0; i < K; ++i) xsum[r * m.nbc + i / cols] += xp[r * K + i];
   torch::Tensor y = torch::empty({M, m.n}, x.options());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, m.n, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> kf(cols), sf(cols), acc(M);
-    for (int64_t row = begin; row < end; ++row) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      const uint8_t* codes = m.packed + row * m.kp;
-      for (int64_t b = 0; b < m.nbc; ++b) {
-        const int64_t c0 = b * cols, width = std::min(cols, K - c0);
-        const uint8_t* bytes = codes + c0 / 2;
-#pragma omp simd
-        for (int64_t j = 0; j < cols / 2; ++j) {
-          const uint8_t v = bytes[j < (width + 1) / 2 ? j : 0];
-          kf[2 * j] = float((v >> 1) & 7);
-          sf[2 * j] = float(v & 1);
-          kf[2 * j + 1] = float(v >> 5);
-          sf[2 * j + 1] = float((v >> 4) & 1);
-        }
-        float base, st, d2;
-        block_table(m, row, b, base, st, d2);
-        for (int64_t r = 0; r < M; ++r) {
-          const float* xr = xp + r * K + c0;
-          float dot_k = 0.0f, dot_s = 0.0f;
-#pragma omp simd reduction(+ : dot_k, dot_s)
-          for (int64_t i = 0; i < width; ++i) {
-            dot_k += xr[i] * kf[i];
-            dot_s += xr[i] * sf[i];
-          }
-          acc[r] += base * xsum[r * m.nbc + b] + st * dot_k + d2 * dot_s;
-        }
-      }
-      for (int64_t r = 0; r < M; ++r) yp[r * m.n + row] = acc[r];
-    }
-  });
+  at::parallel_for(0, m.n, 16, [&](int64_t begin, int64_t end) { linear_dispatch<1>(M, m, xp, yp, begin, end); });
   return y;
 }
 
-// W[N, K] in `dtype`: the whole weight, for large M (prefill), where one
-// dequantize plus a GEMM beats re-reading codes per row of x.
+// float32 W[N, K]: the whole weight, for large M (prefill), where one
+// dequantize plus a GEMM beats re-reading the codes per row of x.
 torch::Tensor a3b_dequantize(const torch::Tensor& packed, const torch::Tensor& lo, const torch::Tensor& step,
                              const torch::Tensor& delta, const torch::Tensor& lo_scale,
                              const torch::Tensor& step_scale, int64_t in_features, int64_t rows, int64_t cols) {
@@ -114,16 +165,20 @@ torch::Tensor a3b_dequantize(const torch::Tensor& packed, const torch::Tensor& l
   torch::Tensor w = torch::empty({m.n, m.k}, torch::TensorOptions().dtype(torch::kFloat32));
   float* wp = w.data_ptr<float>();
   at::parallel_for(0, m.n, 16, [&](int64_t begin, int64_t end) {
+    float table[16];
     for (int64_t row = begin; row < end; ++row) {
-      const uint8_t* codes = m.packed + row * m.kp;
       for (int64_t b = 0; b < m.nbc; ++b) {
-        float base, st, d2;
-        block_table(m, row, b, base, st, d2);
-        const int64_t c0 = b * cols, c1 = std::min(cols * (b + 1), m.k);
-        for (int64_t i = c0; i < c1; ++i) {
-          const uint8_t c = (codes[i / 2] >> ((i & 1) * 4)) & 15;
-          wp[row * m.k + i] = base + st * float(c >> 1) + d2 * float(c & 1);
-        }
+        const int64_t c0 = b * cols;
+        float* out = wp + row * m.k + c0;
+        block_table(m, row, b, table);
+        for_each_weight(
+            m.packed + row * m.kp + c0 / 2, std::min(cols, m.k - c0), table,
+            [&](int64_t i, auto values) {
+#ifdef __AVX2__
+              _mm256_storeu_ps(out + i, values);
+#endif
+            },
+            [&](int64_t i, float value) { out[i] = value; });
       }
     }
   });
