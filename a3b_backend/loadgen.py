@@ -1,0 +1,114 @@
+"""A closed-loop streaming gRPC load generator on tritonclient, for what
+perf_analyzer cannot show: perf_analyzer stops at the first error response, so
+it cannot measure a server that refuses part of the load ("server busy").
+Each worker keeps one request in flight on its own stream; a refused request
+is counted, the worker backs off like a well-behaved client, then goes on.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from a3b_backend.perf_report import LoadLevel, RequestRecord
+
+BUSY_MARKER = "server busy"
+
+
+def infer_inputs(values: dict[str, Any]) -> list:
+    """{name: python value} -> tritonclient InferInputs ([1]-shaped like the wire contract)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = []
+    for name, value in values.items():
+        if isinstance(value, np.ndarray):
+            arr = value
+        elif isinstance(value, str):
+            arr = np.array([value.encode("utf-8")], dtype=np.object_)
+        elif isinstance(value, bool):
+            arr = np.array([value], dtype=bool)
+        elif isinstance(value, int):
+            arr = np.array([value], dtype=np.int32)
+        elif isinstance(value, float):
+            arr = np.array([value], dtype=np.float32)
+        else:
+            raise TypeError(f"input {name!r}: unsupported value type {type(value).__name__}")
+        inp = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+        inp.set_data_from_numpy(arr)
+        inputs.append(inp)
+    return inputs
+
+
+class StreamClient:
+    """One gRPC stream, one request at a time, every response timestamped on arrival."""
+
+    def __init__(self, url: str):
+        import tritonclient.grpc as grpcclient
+
+        self._responses: queue.Queue = queue.Queue()
+        self._client = grpcclient.InferenceServerClient(url)
+        self._client.start_stream(callback=lambda result, error: self._responses.put(
+            (time.perf_counter_ns(), result, error)))
+
+    def request(self, model: str, values: dict[str, Any], timeout_s: float,
+                text_output: str = "text_output") -> RequestRecord:
+        record = RequestRecord(time.perf_counter_ns(), [], [])
+        self._client.async_stream_infer(model, infer_inputs(values), enable_empty_final_response=True)
+        while True:
+            try:
+                stamp, result, error = self._responses.get(timeout=timeout_s)
+            except queue.Empty:
+                record.error = f"no response within {timeout_s} s"
+                return record
+            if error is not None:
+                record.error = str(error)
+                return record
+            response = result.get_response()
+            if any(o.name == text_output for o in response.outputs):
+                text = result.as_numpy(text_output).reshape(-1)[0]
+                text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
+                if text:
+                    record.response_ns.append(stamp)
+                    record.texts.append(text)
+            if response.parameters["triton_final_response"].bool_param:
+                return record
+
+    def close(self) -> None:
+        self._client.stop_stream()
+        self._client.close()
+
+
+def closed_loop(url: str, model: str, make_inputs: Callable[[int], dict[str, Any]], concurrency: int,
+                total_requests: int, timeout_s: float = 300.0, busy_backoff_s: float = 0.5) -> LoadLevel:
+    """`concurrency` workers send `total_requests` requests between them, each
+    waiting for its last one to end; refused ones back off `busy_backoff_s`."""
+    records: list[RequestRecord] = []
+    lock = threading.Lock()
+    issued = iter(range(total_requests))
+
+    def worker() -> None:
+        client = StreamClient(url)
+        try:
+            while True:
+                with lock:
+                    index = next(issued, None)
+                if index is None:
+                    return
+                record = client.request(model, make_inputs(index), timeout_s)
+                with lock:
+                    records.append(record)
+                if record.error and BUSY_MARKER in record.error:
+                    time.sleep(busy_backoff_s)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return LoadLevel(f"concurrency {concurrency}", model, records)

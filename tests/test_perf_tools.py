@@ -1,0 +1,130 @@
+"""perf/ tooling logic: exact-length inputs, their validity for perf_analyzer, the report maths."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from a3b_backend import contract, perf_inputs, perf_report
+from a3b_backend.perf_inputs import Corpus, InputError
+from a3b_backend.profiles import PROFILES
+
+PY_TYPES = {"STRING": str, "BOOL": bool, "INT32": int, "UINT64": int, "FP32": float}
+ENSEMBLE_INPUTS = {t.name: t for t in contract.TEXT_INPUTS}
+
+
+@pytest.fixture(scope="module")
+def smollm_corpus(tokenizer):
+    return Corpus(perf_inputs.HFTokenizer(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def qwen_corpus():
+    return Corpus(perf_inputs.QwenTokenizer.load())
+
+
+def assert_valid_entry(entry: dict) -> None:
+    """What perf_analyzer needs of a data entry for our [1]-shaped ensemble inputs."""
+    for name, values in entry.items():
+        assert name in ENSEMBLE_INPUTS, f"{name} is not an ensemble input"
+        spec = ENSEMBLE_INPUTS[name]
+        assert spec.dims == (1,) and isinstance(values, list) and len(values) == 1, name
+        assert type(values[0]) is PY_TYPES[spec.dtype], (name, values)
+    assert "text_input" in entry
+
+
+@pytest.mark.parametrize("flavour", perf_inputs.FLAVOURS)
+def test_cpu_plan_prompts_have_exact_token_counts(smollm_corpus, tokenizer, flavour):
+    profile = PROFILES["cpu"]
+    for length in profile.perf.prompt_lengths:
+        data = perf_inputs.fixed_length_data(smollm_corpus, profile, length, 32, flavour, count=3)
+        json.dumps(data)
+        prompts = [e["text_input"][0] for e in data["data"]]
+        assert len(set(prompts)) == 3, "each prompt starts at its own offset"
+        for entry, prompt in zip(data["data"], prompts):
+            assert_valid_entry(entry)
+            assert len(tokenizer.encode(prompt, add_special_tokens=True)) == length
+            assert sum(c.isalpha() for c in prompt) > len(prompt) / 2, "natural-language text"
+
+
+def test_gpu_plan_prompts_are_exact_under_the_qwen_vocabulary(qwen_corpus):
+    profile = PROFILES["h200"]
+    tok = qwen_corpus.tokenizer
+    for length in profile.perf.prompt_lengths:
+        data = perf_inputs.fixed_length_data(qwen_corpus, profile, length, profile.perf.output_tokens, "vllm", 1)
+        assert len(tok.encode(data["data"][0]["text_input"][0])) == length
+    assert max(profile.perf.prompt_lengths) > 128_000  # the 128K case wraps the corpus ring
+
+
+def test_rag_mix_shares_the_document_prefix(qwen_corpus):
+    profile = PROFILES["h200"]
+    data = perf_inputs.rag_data(qwen_corpus, profile, profile.perf.rag_document_tokens, 256, "trtllm", 4)
+    prompts = [e["text_input"][0] for e in data["data"]]
+    assert len(set(prompts)) == 4
+    document = prompts[0].split("\n\nQuestion:")[0]
+    assert all(p.startswith(document) for p in prompts) and document.startswith(perf_inputs.RAG_SYSTEM_PROMPT)
+    assert len(qwen_corpus.tokenizer.encode(document)) >= profile.perf.rag_document_tokens
+    for entry in data["data"]:
+        assert_valid_entry(entry)
+        assert entry["max_tokens"] == entry["min_tokens"] == [256]
+
+
+def test_generator_refuses_a_prompt_over_the_context(qwen_corpus):
+    profile = PROFILES["h200"]
+    with pytest.raises(InputError, match=r"131072 \+ 256 output tokens exceeds profile 'h200' context of 131072"):
+        perf_inputs.fixed_length_data(qwen_corpus, profile, 131072, 256, "vllm", 1)
+    with pytest.raises(SystemExit, match="the longest prompt it can take is 8160"):
+        perf_inputs.main(["--profile", "cpu", "--out", "/nonexistent", "--length", "9000"])
+
+
+def test_generator_cli_writes_every_file(tmp_path):
+    perf_inputs.main(["--profile", "cpu", "--out", str(tmp_path), "--length", "128", "--flavour", "vllm"])
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["len128_vllm.json", f"rag{PROFILES['cpu'].perf.rag_document_tokens}_vllm.json"]
+    for path in tmp_path.iterdir():
+        for entry in json.loads(path.read_text())["data"]:
+            assert_valid_entry(entry)
+
+
+def _export(requests: list[dict]) -> dict:
+    return {"experiments": [{"experiment": {"mode": "concurrency", "value": 2}, "requests": requests,
+                             "window_boundaries": [0, 10]}], "version": "x"}
+
+
+def test_report_metrics_from_a_perf_analyzer_export():
+    ms = 1_000_000
+    text = lambda s: {"text_output": s}  # noqa: E731
+    requests = [
+        # TTFT 100 ms, then 3 more tokens 10 ms apart, then an empty final response
+        {"timestamp": 0, "response_timestamps": [100 * ms, 110 * ms, 120 * ms, 130 * ms, 131 * ms],
+         "response_outputs": [text("a"), text("b"), text("c"), text("d"), {}]},
+        {"timestamp": 50 * ms, "response_timestamps": [250 * ms, 290 * ms],
+         "response_outputs": [text("ab"), text("cd")]},
+    ]
+    [level] = perf_report.records_from_export(_export(requests))
+    summary = perf_report.summarize(level, count_tokens=len)
+    assert summary.requests == 2 and summary.errors == 0
+    assert summary.ttft_ms[50] == pytest.approx(150.0)
+    assert summary.e2e_ms[99] == pytest.approx(130 + (240 - 130) * 0.99)
+    # request 1: 30 ms over 3 gaps; request 2: 40 ms over 3 gaps (4 tokens)
+    assert summary.itl_ms[50] == pytest.approx((10 + 40 / 3) / 2)
+    assert summary.output_tokens_per_s == pytest.approx(8 / 0.290)
+    assert summary.requests_per_s == pytest.approx(2 / 0.290)
+    table = perf_report.markdown_table([summary])
+    assert table.count("\n") == 3 and "concurrency 2" in table
+
+
+def test_report_reads_length_prefixed_bytes_outputs():
+    assert perf_report._bytes_text(b"\x05\x00\x00\x00hello") == "hello"
+    assert perf_report._bytes_text("plain") == "plain"
+
+
+def test_report_counts_failed_requests_apart():
+    level = perf_report.LoadLevel("concurrency 1", "x", [
+        perf_report.RequestRecord(0, [1_000_000], ["hi"]),
+        perf_report.RequestRecord(0, [], [], error="server busy: ... retry later"),
+    ])
+    summary = perf_report.summarize(level, count_tokens=len)
+    assert (summary.requests, summary.errors) == (1, 1)
+    assert dataclasses.asdict(summary)["ttft_ms"][50] == pytest.approx(1.0)
