@@ -55,7 +55,9 @@ class StreamClient:
             (time.perf_counter_ns(), result, error)))
 
     def request(self, model: str, values: dict[str, Any], timeout_s: float,
-                text_output: str = "text_output") -> RequestRecord:
+                output: str = "text_output") -> RequestRecord:
+        """Sends one request and waits for its final response. A response counts
+        when `output` is non-empty (numeric outputs are kept as their values)."""
         record = RequestRecord(time.perf_counter_ns(), [], [])
         self._client.async_stream_infer(model, infer_inputs(values), enable_empty_final_response=True)
         while True:
@@ -68,9 +70,12 @@ class StreamClient:
                 record.error = str(error)
                 return record
             response = result.get_response()
-            if any(o.name == text_output for o in response.outputs):
-                text = result.as_numpy(text_output).reshape(-1)[0]
-                text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
+            if any(o.name == output for o in response.outputs):
+                values = result.as_numpy(output).reshape(-1)
+                if values.dtype == np.object_:
+                    text = b"".join(values).decode("utf-8")
+                else:
+                    text = " ".join(map(str, values.tolist()))
                 if text:
                     record.response_ns.append(stamp)
                     record.texts.append(text)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -163,7 +164,8 @@ def load_levels(paths: Iterable[Path]) -> list[LoadLevel]:
     levels = []
     for path in paths:
         for level in records_from_export(json.loads(path.read_text())):
-            level.source = path.stem
+            # runs of one input at several loads share a source: <input>_c<concurrency>
+            level.source = re.sub(r"_c\d+$", "", path.stem)
             levels.append(level)
     return levels
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Installs perf_analyzer in a tool venv of its own (.venv-perf): the glibc-2.35
-# build shipped in tritonclient[all]==2.50.0 (later wheels need glibc 2.38),
-# plus its libb64 and libcudart needs. Kept apart from .venv because its
-# tritonclient pins protobuf<5, which vLLM cannot use.
+# Installs the load tools in venvs of their own, apart from .venv because
+# perf_analyzer's tritonclient pins protobuf<5, which vLLM cannot use:
+#   .venv-perf   perf_analyzer (the glibc-2.35 build shipped in
+#                tritonclient[all]==2.50.0; later wheels need glibc 2.38) with
+#                its libb64 and libcudart needs
+#   .venv-genai  genai-perf 0.0.16 (driving that same perf_analyzer) and locust
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${PERF_VENV:-.venv-perf}
@@ -20,5 +22,9 @@ fi
 echo "==> creating $VENV with perf_analyzer"
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "tritonclient[all]==2.50.0" nvidia-cuda-runtime-cu12
+GENAI=${GENAI_VENV:-.venv-genai}
+echo "==> creating $GENAI with genai-perf"
+"$PYTHON" -m venv "$GENAI"
+"$GENAI/bin/python" -m pip install -q --disable-pip-version-check "genai-perf==0.0.16" "locust==2.47.0"
 echo "$want" > "$STAMP"
-echo "==> perf_analyzer ready: scripts/perf_analyzer.sh --help"
+echo "==> ready: scripts/perf_analyzer.sh --help, scripts/genai_perf.sh --help, $GENAI/bin/locust"

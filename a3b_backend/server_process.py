@@ -1,0 +1,89 @@
+"""A real tritonserver on free local ports, started through scripts/serve.sh:
+for the served tests and the benchmarks that need a server of their own, so a
+running `make serve` is never touched."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 600
+
+
+def free_ports(count: int) -> list[int]:
+    """Consecutive free ports below the kernel's ephemeral range, which vLLM's
+    own sockets draw from while the server starts."""
+    rng = random.Random()
+    while True:
+        base = rng.randrange(20000, 30000 - count)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return list(range(base, base + count))
+        except OSError:
+            continue
+
+
+class Server:
+    def __init__(self, http_port: int, grpc_port: int, metrics_port: int, proc: subprocess.Popen, log: Path):
+        self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        self.proc, self.log = proc, log
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self, timeout_s: float = 60) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            kill_group(self.proc)
+
+
+def start(log: Path, extra_env: dict[str, str] | None = None) -> Server:
+    """Starts the server and waits until it is ready; raises with the log's tail if it is not."""
+    ports = free_ports(3)
+    env = dict(os.environ, A3B_HTTP_PORT=str(ports[0]), A3B_GRPC_PORT=str(ports[1]),
+               A3B_METRICS_PORT=str(ports[2]), VENV=str(Path(sys.executable).parent.parent), **(extra_env or {}))
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "serve.sh")], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(*ports, proc=proc, log=log)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not server.is_ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill_group(proc)
+            raise RuntimeError(f"tritonserver did not become ready; log tail:\n{log.read_text()[-5000:]}")
+        time.sleep(2)
+    return server
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """The server, its python stubs and vLLM's engine processes: nothing may outlive it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

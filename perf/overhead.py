@@ -1,0 +1,187 @@
+"""What Triton adds: the same prompts and sampling through (a) vLLM's AsyncLLM
+directly in this process, (b) `a3b_llm` through tritonserver (token ids in and
+out), (c) the full `ensemble` (text in, text out), interleaved a b c a b c ...
+
+    make bench-overhead       # starts its own server; table + PNG under perf/results/overhead/
+
+Every request has its own 128-token prompt (so no variant reuses another's
+prefix cache) and generates exactly OUTPUT_TOKENS greedy tokens. Per round,
+C requests start together (C = 1 and 8). Reported: median TTFT and
+inter-token latency per variant, and the median over rounds of the per-round
+ratios b/a and c/a (TTFT) and differences (ITL, ms per token).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from a3b_backend import loadgen, perf_inputs, server_process  # noqa: E402
+from a3b_backend.perf_report import RequestRecord  # noqa: E402
+from a3b_backend.profiles import get_profile  # noqa: E402
+
+OUTPUT_TOKENS = 32
+PROMPT_TOKENS = 128
+VARIANTS = ("a: AsyncLLM", "b: a3b_llm", "c: ensemble")
+
+
+def sampling() -> dict:
+    return {"temperature": 0, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True}
+
+
+async def direct_round(engine, prompts: list[list[int]]) -> list[RequestRecord]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(**sampling(), output_kind=RequestOutputKind.DELTA)
+
+    async def one(i: int, ids: list[int]) -> RequestRecord:
+        record = RequestRecord(time.perf_counter_ns(), [], [])
+        async for out in engine.generate(TokensPrompt(prompt_token_ids=ids), params, f"direct-{time.time_ns()}-{i}"):
+            if out.outputs and out.outputs[0].token_ids:
+                record.response_ns.append(time.perf_counter_ns())
+                record.texts.append(" ".join(map(str, out.outputs[0].token_ids)))
+        return record
+
+    return list(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts))))
+
+
+def served_round(url: str, model: str, requests: list[dict]) -> list[RequestRecord]:
+    records: list[RequestRecord | None] = [None] * len(requests)
+    output = "token_ids" if model == "a3b_llm" else "text_output"
+
+    def one(i: int) -> None:
+        client = loadgen.StreamClient(url)
+        try:
+            records[i] = client.request(model, requests[i], timeout_s=300, output=output)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return records  # type: ignore[return-value]
+
+
+def latencies(records: list[RequestRecord]) -> tuple[list[float], list[float]]:
+    """(TTFT ms, inter-token ms) per request; every request made exactly OUTPUT_TOKENS tokens."""
+    for r in records:
+        if r.error or not r.response_ns:
+            raise RuntimeError(f"request failed: {r.error}")
+    ttft = [(r.response_ns[0] - r.start_ns) / 1e6 for r in records]
+    itl = [(r.response_ns[-1] - r.response_ns[0]) / 1e6 / (OUTPUT_TOKENS - 1) for r in records]
+    return ttft, itl
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, title in ((axes[0], "ttft_ms", "TTFT median (ms)"), (axes[1], "itl_ms", "inter-token median (ms)")):
+        for offset, variant in enumerate(VARIANTS):
+            picked = [r for r in rows if r["variant"] == variant]
+            xs = [i + (offset - 1) * 0.27 for i in range(len(picked))]
+            ax.bar(xs, [r[key] for r in picked], width=0.27, label=variant)
+        ax.set_xticks(range(len(picked)), [f"concurrency {r['concurrency']}" for r in picked])
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from tqdm import tqdm
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds per concurrency")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "overhead")
+    args = parser.parse_args(argv)
+    profile = get_profile()
+    tokenizer = perf_inputs.HFTokenizer.load(profile.resolve_model_dir(ROOT))
+    corpus = perf_inputs.Corpus(tokenizer)
+    needed = sum(c * args.rounds * len(VARIANTS) for c in args.concurrency)
+    stride = len(corpus.ids) // needed
+    prompts = iter([tokenizer.encode(corpus.text_of_length(PROMPT_TOKENS, start=i * stride)) for i in range(needed)])
+
+    with tempfile.TemporaryDirectory() as tmp:
+        print("starting tritonserver ...", flush=True)
+        server = server_process.start(Path(tmp) / "tritonserver.log")
+        loop = asyncio.new_event_loop()
+        try:
+            print("starting AsyncLLM in this process ...", flush=True)
+            engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**profile.engine_args(ROOT)))
+            results = {}  # (variant, concurrency) -> list of (ttft list, itl list) per round
+            total = len(args.concurrency) * args.rounds * len(VARIANTS)
+            with tqdm(total=total, desc="interleaved rounds", unit="run") as bar:
+                for c in args.concurrency:
+                    for _ in range(args.rounds):
+                        for variant in VARIANTS:
+                            ids = [next(prompts) for _ in range(c)]
+                            if variant.startswith("a"):
+                                records = loop.run_until_complete(direct_round(engine, ids))
+                            elif variant.startswith("b"):
+                                records = served_round(server.grpc_url, "a3b_llm", [
+                                    {"input_ids": np.asarray(x, dtype=np.int32), "stream": True,
+                                     "sampling_parameters": json.dumps(sampling())} for x in ids])
+                            else:
+                                records = served_round(server.grpc_url, "ensemble", [
+                                    {"text_input": tokenizer.decode(x), "stream": True,
+                                     "sampling_parameters": json.dumps(sampling())} for x in ids])
+                            results.setdefault((variant, c), []).append(latencies(records))
+                            bar.update()
+            engine.shutdown()
+        finally:
+            loop.close()
+            server.stop()
+
+    rows = []
+    for (variant, c), rounds in results.items():
+        base = results[(VARIANTS[0], c)]
+        ttft_ratio = statistics.median(statistics.median(r[0]) / statistics.median(b[0]) for r, b in zip(rounds, base))
+        itl_diff = statistics.median(statistics.median(r[1]) - statistics.median(b[1]) for r, b in zip(rounds, base))
+        rows.append(dict(variant=variant, concurrency=c,
+                         ttft_ms=statistics.median(x for r in rounds for x in r[0]),
+                         itl_ms=statistics.median(x for r in rounds for x in r[1]),
+                         ttft_ratio=ttft_ratio, itl_diff_ms=itl_diff))
+    header = "| variant | concurrency | TTFT median ms | ITL median ms | TTFT / a (median of rounds) | ITL - a, ms/token |\n"
+    header += "|---|---|---|---|---|---|\n"
+    table = header + "".join(
+        f"| {r['variant']} | {r['concurrency']} | {r['ttft_ms']:.1f} | {r['itl_ms']:.2f} | {r['ttft_ratio']:.3f} | "
+        f"{r['itl_diff_ms']:+.2f} |\n" for r in rows)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(rows, args.out / "overhead.png")
+    (args.out / "overhead.json").write_text(json.dumps(rows, indent=1))
+    (args.out / "overhead.md").write_text(
+        f"# Serving overhead: bare AsyncLLM vs a3b_llm vs ensemble (profile {profile.name})\n\n"
+        f"Command: `make bench-overhead`. {args.rounds} interleaved rounds per concurrency, "
+        f"{PROMPT_TOKENS}-token prompts (each its own), {OUTPUT_TOKENS} greedy output tokens.\n"
+        "Goal (cpu profile, concurrency 1): ensemble TTFT / a <= 1.05 and ITL - a <= 1 ms/token.\n\n"
+        f"{table}\n![overhead](overhead.png)\n")
+    print(f"wrote {args.out / 'overhead.md'}")
+
+
+if __name__ == "__main__":
+    main()
