@@ -61,7 +61,7 @@ bench-overload: setup model perf-tools
 
 # bare AsyncLLM vs a3b_llm vs ensemble, same prompts, interleaved (starts its own server)
 bench-overhead: setup model
-	VLLM_CPU_KVCACHE_SPACE=1 $(PY) perf/overhead.py
+	$(PY) perf/overhead.py
 
 # vLLM eager/compiled x bf16/float32 on the cpu profile (why it runs eager float32)
 bench-cpu-modes: setup model

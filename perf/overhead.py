@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -119,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "overhead")
     args = parser.parse_args(argv)
     profile = get_profile()
+    # the served engine's KV size (a3b_llm sets the same), not vLLM's CPU default of 90% of RAM
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(profile.cpu_kv_cache_gib))
     tokenizer = perf_inputs.HFTokenizer.load(profile.resolve_model_dir(ROOT))
     corpus = perf_inputs.Corpus(tokenizer)
     needed = sum(c * args.rounds * len(VARIANTS) for c in args.concurrency)

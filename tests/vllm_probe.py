@@ -13,8 +13,12 @@ import sys
 def engine(model_dir: str):
     from vllm import LLM
 
+    # An explicit KV size: otherwise vLLM's CPU worker reserves 90% of the
+    # machine's memory and refuses to start beside another engine (the served
+    # tests' server).
     return LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
-               max_num_batched_tokens=256, max_num_seqs=4, load_format="safetensors")
+               max_num_batched_tokens=256, max_num_seqs=4, load_format="safetensors",
+               kv_cache_memory_bytes=256 << 20)
 
 
 def main(mode: str, model_dir: str, ids: str, max_tokens: str = "16") -> None:

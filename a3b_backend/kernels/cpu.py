@@ -1,5 +1,6 @@
 """A3B linear on the CPU through the C++ kernel in a3b_cpu.cpp (built by torch's
-extension tooling on first use, cached under ~/.cache/torch_extensions).
+extension tooling on first use, `make setup` builds it ahead; cached under
+$A3B_KERNEL_CACHE, default ~/.cache/a3b-triton).
 
 Two strategies keep the weight packed in memory (docs/a3b_format.md):
   fused    codes read in place by `a3b_linear` for up to FUSED_MAX_ROWS rows of
@@ -10,20 +11,46 @@ perf/a3b_cpu_linear.py measures both; the figures chose the default.
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.util
+import os
+import tempfile
 from pathlib import Path
 
 import torch
 
 SOURCE = Path(__file__).with_name("a3b_cpu.cpp")
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 STRATEGIES = ("fused", "dequant")
 FUSED_MAX_ROWS = 8
 
 
+def cache_dir() -> Path:
+    return Path(os.environ.get("A3B_KERNEL_CACHE", Path.home() / ".cache" / "a3b-triton"))
+
+
 @functools.cache
 def ops():
-    from torch.utils.cpp_extension import load
+    """The built extension, named by a digest of its source, torch and flags.
+    Each builder works in a private directory and publishes the library with an
+    atomic rename: torch's shared build directory holds a lock file that a
+    process killed mid-build leaves behind, and every later engine start would
+    wait on it forever."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CFLAGS).encode())
+    name = f"a3b_cpu_{digest.hexdigest()[:16]}"
+    library = cache_dir() / f"{name}.so"
+    if not library.exists():
+        from torch.utils.cpp_extension import load
 
-    return load(name="a3b_cpu", sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp-simd"])
+        library.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=library.parent, prefix=f"{name}.build.") as build:
+            module = load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, build_directory=build)
+            os.replace(Path(build) / f"{name}.so", library)
+            return module
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def dequantize(t: dict[str, torch.Tensor], in_features: int, block: tuple[int, int]) -> torch.Tensor:
