@@ -50,7 +50,13 @@ class Profile:
     model_dir: str
     max_model_len: int
     default_max_tokens: int
+    # The model's own context limit (max_position_embeddings): max_model_len may not exceed it.
+    model_context_limit: int
+    # Hardware the profile is sized for: GPUs per node (0 = CPU) and nodes.
+    gpus_per_node: int = 0
+    nodes: int = 1
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     # Whole experts per rank instead of slicing every expert across ranks: A3B
     # blocks (1x128) cannot be cut by a tensor-parallel split of the 512-wide
     # expert intermediate into 64-column slices.
@@ -86,6 +92,7 @@ class Profile:
             model=str(self.resolve_model_dir(project_root)),
             max_model_len=self.max_model_len,
             tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
             enable_expert_parallel=self.enable_expert_parallel,
             kv_cache_dtype=self.kv_cache_dtype,
             enable_prefix_caching=self.enable_prefix_caching,
@@ -106,6 +113,9 @@ class Profile:
         return args
 
 
+# Qwen3.6-35B-A3B's native context (its config.json max_position_embeddings)
+QWEN36_CONTEXT = 262144
+
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (
@@ -115,6 +125,7 @@ PROFILES: dict[str, Profile] = {
             model_dir="models/smollm2-135m-instruct-a3b",
             max_model_len=8192,
             default_max_tokens=512,
+            model_context_limit=8192,
             # vLLM's start-up profile run is one forward of max_num_batched_tokens:
             # keep it small on 2 cores (chunked prefill splits longer prompts).
             max_num_seqs=16,
@@ -134,6 +145,8 @@ PROFILES: dict[str, Profile] = {
             model_dir="models/qwen3.6-35b-a3b-a3b",
             max_model_len=131072,
             default_max_tokens=2048,
+            model_context_limit=QWEN36_CONTEXT,
+            gpus_per_node=1,
             kv_cache_dtype="fp8",
             max_num_seqs=64,
             max_num_batched_tokens=8192,
@@ -144,6 +157,8 @@ PROFILES: dict[str, Profile] = {
             model_dir="models/qwen3.6-35b-a3b-a3b",
             max_model_len=131072,
             default_max_tokens=2048,
+            model_context_limit=QWEN36_CONTEXT,
+            gpus_per_node=8,
             tensor_parallel_size=8,
             enable_expert_parallel=True,
             kv_cache_dtype="fp8",
@@ -151,6 +166,26 @@ PROFILES: dict[str, Profile] = {
             max_num_batched_tokens=4096,
             gpu_memory_utilization=0.92,
             distributed_executor_backend="mp",
+        ),
+        Profile(
+            # Beyond one node (docs/deployment.md): vLLM's Ray executor, tensor
+            # parallel inside a node, pipeline parallel across the two. Sized
+            # for a model that needs 16 GPUs; point A3B_MODEL_DIR at it.
+            name="multinode",
+            model_dir="models/qwen3.6-35b-a3b-a3b",
+            max_model_len=131072,
+            default_max_tokens=2048,
+            model_context_limit=QWEN36_CONTEXT,
+            gpus_per_node=8,
+            nodes=2,
+            tensor_parallel_size=8,
+            pipeline_parallel_size=2,
+            enable_expert_parallel=True,
+            kv_cache_dtype="fp8",
+            max_num_seqs=64,
+            max_num_batched_tokens=4096,
+            gpu_memory_utilization=0.92,
+            distributed_executor_backend="ray",
         ),
     )
 }

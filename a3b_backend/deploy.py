@@ -1,0 +1,262 @@
+"""Kubernetes manifests rendered from the profiles, and the profile consistency checks.
+
+    a3b-deploy [--out deploy/kubernetes] [--check]
+
+One file per profile (`<profile>.yaml`) and a TLS variant (`<profile>-tls.yaml`):
+Deployment (Triton health endpoints as readiness/liveness/startup probes,
+non-root, /dev/shm sized for vLLM's workers, GPU requests from the profile),
+Service with Prometheus scrape annotations, and for TLS the gRPC SSL flags plus
+an Ingress terminating HTTPS with an authentication hook. Multi-node profiles
+add a Ray head port and a StatefulSet of Ray workers.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from a3b_backend.profiles import PROFILES, Profile
+
+APP = "a3b-triton"
+PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+RAY_PORT = 6379
+EXIT_TIMEOUT_S = 60
+MODEL_MOUNT = "/models"
+TLS_MOUNT = "/tls"
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+EXECUTORS = (None, "mp", "ray", "uni")
+# Admin APIs need the header `admin-key: <Secret a3b-triton-admin/key>`;
+# inference, health and metadata stay open (put authentication in front of them).
+RESTRICTED = "model-repository,shared-memory,trace,logging,model-config,statistics"
+
+
+def check_profile(p: Profile) -> list[str]:
+    """Problems that would only show on the target hardware, found here."""
+    problems = []
+    world = p.tensor_parallel_size * p.pipeline_parallel_size
+    if p.gpus_per_node == 0:
+        if world != 1 or p.nodes != 1:
+            problems.append(f"{p.name}: a CPU profile runs one process on one node (tp*pp={world}, nodes={p.nodes})")
+    elif world != p.gpus_per_node * p.nodes:
+        problems.append(f"{p.name}: tensor_parallel_size*pipeline_parallel_size = {world} but the profile declares "
+                        f"{p.gpus_per_node} GPUs x {p.nodes} nodes = {p.gpus_per_node * p.nodes}")
+    if p.tensor_parallel_size > max(p.gpus_per_node, 1):
+        problems.append(f"{p.name}: tensor parallel size {p.tensor_parallel_size} spans nodes "
+                        f"({p.gpus_per_node} GPUs per node); use pipeline parallelism across nodes")
+    if p.max_model_len > p.model_context_limit:
+        problems.append(f"{p.name}: max_model_len {p.max_model_len} exceeds the model's context "
+                        f"{p.model_context_limit}")
+    if p.default_max_tokens >= p.max_model_len:
+        problems.append(f"{p.name}: default_max_tokens {p.default_max_tokens} leaves no room for a prompt")
+    if p.nodes > 1 and p.distributed_executor_backend != "ray":
+        problems.append(f"{p.name}: {p.nodes} nodes need distributed_executor_backend 'ray', "
+                        f"not {p.distributed_executor_backend!r}")
+    if p.distributed_executor_backend not in EXECUTORS:
+        problems.append(f"{p.name}: unknown executor {p.distributed_executor_backend!r}")
+    if p.kv_cache_dtype not in KV_CACHE_DTYPES:
+        problems.append(f"{p.name}: kv_cache_dtype {p.kv_cache_dtype!r} not one of {KV_CACHE_DTYPES}")
+    if p.enable_expert_parallel and world == 1:
+        problems.append(f"{p.name}: expert parallelism needs more than one GPU")
+    if p.max_in_flight < p.max_num_seqs:
+        problems.append(f"{p.name}: max_in_flight {p.max_in_flight} below max_num_seqs {p.max_num_seqs} "
+                        "leaves engine slots unused")
+    if p.max_num_batched_tokens is not None and not p.enable_chunked_prefill \
+            and p.max_num_batched_tokens < p.max_model_len:
+        problems.append(f"{p.name}: without chunked prefill max_num_batched_tokens must cover max_model_len")
+    return problems
+
+
+def _image(p: Profile) -> str:
+    return f"{APP}:{'gpu' if p.gpus_per_node else 'cpu'}"
+
+
+def _labels(p: Profile, role: str = "server") -> dict[str, str]:
+    return {"app.kubernetes.io/name": APP, "app.kubernetes.io/instance": p.name, "app.kubernetes.io/component": role}
+
+
+def _resources(p: Profile) -> dict[str, Any]:
+    if not p.gpus_per_node:
+        return {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "12Gi"}}
+    gpus = str(p.gpus_per_node)
+    return {"requests": {"cpu": str(4 * p.gpus_per_node), "memory": f"{32 * p.gpus_per_node}Gi",
+                         "nvidia.com/gpu": gpus},
+            "limits": {"memory": f"{48 * p.gpus_per_node}Gi", "nvidia.com/gpu": gpus}}
+
+
+def _volumes(p: Profile, tls: bool) -> tuple[list[dict], list[dict]]:
+    # vLLM's multiprocess workers and NCCL exchange tensors through /dev/shm,
+    # which container runtimes cap at 64 MiB unless given a memory volume.
+    shm = f"{max(1, 2 * p.gpus_per_node)}Gi"
+    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}]
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    if p.gpus_per_node:
+        volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": f"{APP}-models", "readOnly": True}})
+        mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if tls:
+        volumes.append({"name": "tls", "secret": {"secretName": f"{APP}-tls"}})
+        mounts.append({"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True})
+    return volumes, mounts
+
+
+def _server_args(tls: bool) -> list[str]:
+    args = ["--model-repository=/opt/a3b/model_repository", f"--http-port={PORTS['http']}",
+            f"--grpc-port={PORTS['grpc']}", f"--metrics-port={PORTS['metrics']}",
+            f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+            f"--http-restricted-api={RESTRICTED}:admin-key=$(A3B_ADMIN_KEY)",
+            f"--grpc-restricted-protocol={RESTRICTED}:admin-key=$(A3B_ADMIN_KEY)"]
+    if tls:
+        args += ["--grpc-use-ssl=true", f"--grpc-server-cert={TLS_MOUNT}/tls.crt",
+                 f"--grpc-server-key={TLS_MOUNT}/tls.key"]
+    return args
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures,
+            "timeoutSeconds": 5}
+
+
+def _env(p: Profile) -> list[dict[str, Any]]:
+    env = [{"name": "A3B_PROFILE", "value": p.name},
+           {"name": "HF_HUB_OFFLINE", "value": "1"},
+           {"name": "A3B_ADMIN_KEY", "valueFrom": {"secretKeyRef": {"name": f"{APP}-admin", "key": "key"}}}]
+    if p.gpus_per_node:
+        env.insert(1, {"name": "A3B_MODEL_DIR", "value": f"{MODEL_MOUNT}/{Path(p.model_dir).name}"})
+    if p.nodes > 1:
+        env.append({"name": "RAY_ADDRESS", "value": f"127.0.0.1:{RAY_PORT}"})
+    return env
+
+
+def _server_container(p: Profile, tls: bool) -> dict[str, Any]:
+    _, mounts = _volumes(p, tls)
+    ports = [{"name": n, "containerPort": port} for n, port in PORTS.items()]
+    container: dict[str, Any] = {
+        "name": "triton", "image": _image(p), "imagePullPolicy": "IfNotPresent",
+        "args": _server_args(tls), "env": _env(p), "ports": ports,
+        # Model load (a 35B checkpoint from disk onto the GPUs) takes minutes:
+        # the startup probe allows 30, then readiness/liveness take over.
+        "startupProbe": _probe("/v2/health/ready", 10, 180),
+        "readinessProbe": _probe("/v2/health/ready", 5, 3),
+        "livenessProbe": _probe("/v2/health/live", 10, 6),
+        "resources": _resources(p), "volumeMounts": mounts,
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    if p.nodes > 1:
+        # The image's entrypoint script starts the Ray head, waits for the
+        # workers' GPUs, then execs tritonserver with these args.
+        container["command"] = ["/opt/a3b/scripts/ray_node.sh", "head", str(p.gpus_per_node * p.nodes)]
+        ports.append({"name": "ray", "containerPort": RAY_PORT})
+    return container
+
+
+def _pod_spec(p: Profile, containers: list[dict], tls: bool) -> dict[str, Any]:
+    volumes, _ = _volumes(p, tls)
+    return {
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000},
+        "terminationGracePeriodSeconds": EXIT_TIMEOUT_S + 15,
+        "containers": containers, "volumes": volumes,
+    }
+
+
+def manifests(p: Profile, tls: bool = False) -> list[dict[str, Any]]:
+    name = f"{APP}-{p.name}"
+    labels = _labels(p)
+    scrape = {"prometheus.io/scrape": "true", "prometheus.io/port": str(PORTS["metrics"]),
+              "prometheus.io/path": "/metrics"}
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            # One engine per pod; scale out with replicas (each holds the whole model).
+            "replicas": 1, "selector": {"matchLabels": labels},
+            "strategy": {"type": "Recreate"} if p.gpus_per_node else {"type": "RollingUpdate"},
+            "template": {"metadata": {"labels": labels, "annotations": scrape},
+                         "spec": _pod_spec(p, [_server_container(p, tls)], tls)},
+        },
+    }
+    service_ports = [{"name": n, "port": port, "targetPort": n} for n, port in PORTS.items()]
+    if p.nodes > 1:
+        service_ports.append({"name": "ray", "port": RAY_PORT, "targetPort": "ray"})
+    service = {"apiVersion": "v1", "kind": "Service",
+               "metadata": {"name": name, "labels": labels, "annotations": scrape},
+               "spec": {"selector": labels, "ports": service_ports}}
+    out = [deployment, service]
+    if p.nodes > 1:
+        out.append(_ray_workers(p, name, tls))
+    if tls:
+        out.append(_ingress(p, name))
+    return out
+
+
+def _ray_workers(p: Profile, head: str, tls: bool) -> dict[str, Any]:
+    labels = _labels(p, "ray-worker")
+    _, mounts = _volumes(p, tls)
+    worker = {
+        "name": "ray-worker", "image": _image(p), "imagePullPolicy": "IfNotPresent",
+        "command": ["/opt/a3b/scripts/ray_node.sh", "worker", f"{head}:{RAY_PORT}"],
+        "env": _env(p)[:2], "resources": _resources(p), "volumeMounts": mounts,
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    return {"apiVersion": "apps/v1", "kind": "StatefulSet",
+            "metadata": {"name": f"{head}-ray-worker", "labels": labels},
+            "spec": {"serviceName": head, "replicas": p.nodes - 1, "selector": {"matchLabels": labels},
+                     "template": {"metadata": {"labels": labels}, "spec": _pod_spec(p, [worker], tls)}}}
+
+
+def _ingress(p: Profile, name: str) -> dict[str, Any]:
+    # Triton's HTTP endpoint has no TLS of its own: HTTPS ends at the ingress,
+    # which also asks an external auth service (e.g. oauth2-proxy) per request.
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
+            "metadata": {"name": name, "labels": _labels(p), "annotations": {
+                "nginx.ingress.kubernetes.io/auth-url": "http://oauth2-proxy.auth.svc.cluster.local/oauth2/auth",
+                "nginx.ingress.kubernetes.io/proxy-buffering": "off",
+                "nginx.ingress.kubernetes.io/proxy-read-timeout": "3600"}},
+            "spec": {"ingressClassName": "nginx",
+                     "tls": [{"hosts": [f"{name}.example.com"], "secretName": f"{APP}-tls"}],
+                     "rules": [{"host": f"{name}.example.com", "http": {"paths": [{
+                         "path": "/v2", "pathType": "Prefix",
+                         "backend": {"service": {"name": name, "port": {"name": "http"}}}}]}}]}}
+
+
+class _Dumper(yaml.SafeDumper):
+    """Plain YAML: no &anchors for the label dicts the objects share."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def render() -> dict[str, str]:
+    """File name -> YAML text, for every profile, plain and with TLS."""
+    header = "# Rendered by `a3b-deploy` from a3b_backend/profiles.py; do not edit by hand.\n"
+    files = {}
+    for p in PROFILES.values():
+        for tls in (False, True):
+            docs = manifests(p, tls)
+            files[f"{p.name}{'-tls' if tls else ''}.yaml"] = header + yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False)
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "deploy" / "kubernetes")
+    parser.add_argument("--check", action="store_true", help="fail on profile problems or stale manifests")
+    args = parser.parse_args(argv)
+    problems = [msg for p in PROFILES.values() for msg in check_profile(p)]
+    for name, text in render().items():
+        path = args.out / name
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                problems.append(f"stale manifest {path} (run a3b-deploy)")
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
+    for msg in problems:
+        print(msg, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
