@@ -14,6 +14,7 @@ import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 
+from a3b_backend import loadgen
 from served import GREEDY, CAPITAL, metric, scrape, stream_infer, tensor, text_request, texts
 
 pytestmark = pytest.mark.served
@@ -195,15 +196,22 @@ def test_dropped_http_stream_stops_the_generation(server):
 
 
 def test_overload_gets_server_busy_not_unbounded_latency(server):
+    """96 streams opened first, then all sent at once: past the limit of 64 in
+    flight the rest are refused at once, the admitted ones all finish."""
     inputs = {"input_ids": np.arange(100, 120, dtype=I32), "stream": True,
-              "sampling_parameters": j(max_tokens=8, ignore_eos=True)}
-    with concurrent.futures.ThreadPoolExecutor(96) as pool:
-        results = list(pool.map(lambda _: stream_infer(server.grpc_url, "a3b_llm", inputs), range(96)))
-    busy = [err for _, err in results if err and "server busy" in err]
-    done = [r for r, err in results if err is None]
+              "sampling_parameters": j(max_tokens=32, ignore_eos=True)}
+    clients = [loadgen.StreamClient(server.grpc_url) for _ in range(96)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(96) as pool:
+            records = list(pool.map(lambda c: c.request("a3b_llm", inputs, 300, output="token_ids"), clients))
+    finally:
+        for c in clients:
+            c.close()
+    busy = [r.error for r in records if r.error and "server busy" in r.error]
+    done = [r for r in records if r.error is None]
     assert busy and "retry later" in busy[0] and "limit is 64" in busy[0]
-    assert len(busy) + len(done) == 96
-    assert all(sum(len(x["token_ids"]) for x in r) == 8 for r in done)
+    assert len(busy) + len(done) == 96 and len(done) >= 16
+    assert all(sum(len(t.split()) for t in r.texts) == 32 for r in done)
     assert metric(scrape(server.metrics_port), "a3b_request_rejected_total") >= len(busy)
 
 
