@@ -26,9 +26,19 @@ class PerfPlan:
     requests_per_window: int
     # RAG mix: one document chunk of this many tokens behind a shared system prompt
     rag_document_tokens: int
-    prompts_per_file: int = 8
     # a request-rate run (requests per minute), None for no such run
     request_rate_per_min: int | None = None
+    windows: int = 3
+
+    def requests_per_run(self, concurrency: int) -> int:
+        """Prompts one perf_analyzer run may send: its windows plus those still in flight."""
+        return self.windows * self.requests_per_window + concurrency
+
+    @property
+    def prompts_per_file(self) -> int:
+        """Enough distinct prompts that no run repeats one an earlier run sent."""
+        rate_run = self.requests_per_run(1) if self.request_rate_per_min else 0
+        return sum(self.requests_per_run(c) for c in self.concurrencies) + rate_run
 
 
 GPU_PERF = PerfPlan(
@@ -36,7 +46,7 @@ GPU_PERF = PerfPlan(
     prompt_lengths=(128, 1024, 8192, 32768, 130048),
     output_tokens=256,
     concurrencies=(1, 2, 4, 8, 16),
-    requests_per_window=32,
+    requests_per_window=8,
     rag_document_tokens=86016,
     request_rate_per_min=200,
 )
@@ -138,7 +148,7 @@ PROFILES: dict[str, Profile] = {
             enforce_eager=True,
             dtype="float32",
             perf=PerfPlan(prompt_lengths=(128, 1024, 2048), output_tokens=32, concurrencies=(1, 4),
-                          requests_per_window=8, rag_document_tokens=1536, prompts_per_file=4),
+                          requests_per_window=3, rag_document_tokens=1536),
         ),
         Profile(
             name="h200",

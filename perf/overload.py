@@ -46,7 +46,7 @@ def perf_analyzer_level(url: str, model: str, concurrency: int, output_tokens: i
     cmd = ["bash", str(tool), "-m", model, "-u", url, "-i", "grpc", "--streaming", "--async",
            "--input-data", str(data), "--concurrency-range", str(concurrency),
            "--measurement-mode", "count_windows", "--measurement-request-count", str(requests),
-           "--stability-percentage", "999", "--max-trials", "1", "--profile-export-file", str(export)]
+           "--stability-percentage", "999", "--max-trials", "3", "--profile-export-file", str(export)]
     print("$", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     [level] = perf_report.records_from_export(json.loads(export.read_text()))
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     runs: list[perf_report.LoadLevel] = []
     with tempfile.TemporaryDirectory() as tmp:
         for c in (c for c in levels if c <= limit):
-            level = perf_analyzer_level(args.url, args.model, c, args.output_tokens, 2 * c, Path(tmp))
+            level = perf_analyzer_level(args.url, args.model, c, args.output_tokens, c, Path(tmp))
             if level is not None:
                 runs.append(level)
     for c in levels:

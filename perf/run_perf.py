@@ -11,6 +11,8 @@ perf/results/<profile>/report.{md,png,json}.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import shlex
 import subprocess
 import sys
@@ -24,31 +26,53 @@ from a3b_backend import perf_inputs, perf_report  # noqa: E402
 from a3b_backend.profiles import Profile, get_profile  # noqa: E402
 
 
-def runs(profile: Profile, inputs: Path, exports: Path) -> list[tuple[str, list[str]]]:
-    """(export name, perf_analyzer arguments) for the profile's plan: every prompt
-    length and the RAG mix at every concurrency in the vllm_backend flavour, the
-    TensorRT-LLM flavour at the shortest length, and the request-rate run."""
+@dataclasses.dataclass
+class Run:
+    stem: str  # export name
+    input_name: str  # file under the profile's inputs
+    load: list[str]  # --concurrency-range c or --request-rate-range r
+    requests: int  # prompts it may use (count windows plus what is in flight)
+
+
+def runs(profile: Profile) -> list[Run]:
+    """The profile's plan: every prompt length and the RAG mix at every
+    concurrency in the vllm_backend flavour, the TensorRT-LLM flavour at the
+    shortest length, and the request-rate run on the RAG mix."""
     plan = profile.perf
-    common = ["-i", "grpc", "--streaming", "--async", "--measurement-mode", "count_windows",
-              "--measurement-request-count", str(plan.requests_per_window),
-              # one window per load level: LLM latencies on a busy CPU never meet
-              # the default 10% stability criterion, and more windows only repeat it
-              "--stability-percentage", "999", "--max-trials", "1"]
-    shortest = min(plan.prompt_lengths)
     files = [perf_inputs.input_file_name(n, "vllm") for n in plan.prompt_lengths]
-    files += [f"rag{plan.rag_document_tokens}_vllm.json", perf_inputs.input_file_name(shortest, "trtllm")]
-    out = []
-    for name in files:
-        for c in plan.concurrencies:
-            stem = f"{Path(name).stem}_c{c}"
-            out.append((stem, ["--input-data", str(inputs / name), "--concurrency-range", str(c),
-                               "--profile-export-file", str(exports / f"{stem}.json"), *common]))
+    files += [f"rag{plan.rag_document_tokens}_vllm.json", perf_inputs.input_file_name(min(plan.prompt_lengths), "trtllm")]
+    out = [Run(f"{Path(name).stem}_c{c}", name, ["--concurrency-range", str(c)], plan.requests_per_run(c))
+           for name in files for c in plan.concurrencies]
     if plan.request_rate_per_min:
-        rate = plan.request_rate_per_min / 60
-        name = f"rag{plan.rag_document_tokens}_vllm.json"
-        stem = f"rag_rate{plan.request_rate_per_min}pm"
-        out.append((stem, ["--input-data", str(inputs / name), "--request-rate-range", f"{rate:.4f}",
-                           "--profile-export-file", str(exports / f"{stem}.json"), *common]))
+        out.append(Run(f"rag_rate{plan.request_rate_per_min}pm", f"rag{plan.rag_document_tokens}_vllm.json",
+                       ["--request-rate-range", f"{plan.request_rate_per_min / 60:.4f}"], plan.requests_per_run(1)))
+    return out
+
+
+def perf_analyzer_args(profile: Profile, run: Run, input_file: Path, exports: Path) -> list[str]:
+    return ["-i", "grpc", "--streaming", "--async", "--input-data", str(input_file), *run.load,
+            "--measurement-mode", "count_windows",
+            "--measurement-request-count", str(profile.perf.requests_per_window),
+            # three windows per load level, accepted as they come: LLM latencies
+            # on a busy CPU rarely meet the default 10% stability criterion
+            # (perf_analyzer needs 3 windows to judge, and with 1 writes no export)
+            "--stability-percentage", "999", "--max-trials", str(profile.perf.windows),
+            "--profile-export-file", str(exports / f"{run.stem}.json")]
+
+
+def run_inputs(plan: list[Run], inputs: Path, exports: Path) -> dict[str, Path]:
+    """Each run gets the input file rotated past the prompts earlier runs of
+    the same file used, so no prompt is sent twice and prefix caching cannot
+    flatter a later load level (the RAG mix shares its document on purpose)."""
+    used: dict[str, int] = {}
+    out = {}
+    for run in plan:
+        data = json.loads((inputs / run.input_name).read_text())["data"]
+        offset = used.get(run.input_name, 0) % len(data)
+        used[run.input_name] = used.get(run.input_name, 0) + run.requests
+        path = exports / f"{run.stem}.input.json"
+        path.write_text(json.dumps({"data": data[offset:] + data[:offset]}))
+        out[run.stem] = path
     return out
 
 
@@ -68,14 +92,16 @@ def main(argv: list[str] | None = None) -> None:
     exports = out / "exports"
     exports.mkdir(parents=True, exist_ok=True)
     perf_inputs.main(["--profile", profile.name, "--out", str(inputs)])
-    plan = runs(profile, inputs, exports)
+    plan = runs(profile)
+    input_files = run_inputs(plan, inputs, exports)
+    commands = [(run.stem, perf_analyzer_args(profile, run, input_files[run.stem], exports)) for run in plan]
     tool = ROOT / "scripts" / "perf_analyzer.sh"
     if args.dry_run:
-        for _, cmd in plan:
+        for _, cmd in commands:
             print(shlex.join([str(tool), "-m", args.model, "-u", args.url, *cmd]))
         return
     started = time.monotonic()
-    for stem, cmd in tqdm(plan, desc=f"perf_analyzer ({profile.name})", unit="run"):
+    for stem, cmd in tqdm(commands, desc=f"perf_analyzer ({profile.name})", unit="run"):
         log = exports / f"{stem}.log"
         with open(log, "w") as fh:
             done = subprocess.run(["bash", str(tool), "-m", args.model, "-u", args.url, *cmd],
@@ -84,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"perf_analyzer failed for {stem} (exit {done.returncode}); see {log}:\n"
                              + log.read_text()[-2000:])
     count = perf_report.token_counter(profile.resolve_model_dir(ROOT))
-    levels = perf_report.load_levels(sorted(exports.glob("*.json")))
+    levels = perf_report.load_levels(sorted(exports / f"{run.stem}.json" for run in plan))
     summaries = [perf_report.summarize(level, count) for level in levels]
     preamble = (f"Command: `make perf` (perf/run_perf.py --profile {profile.name}), "
                 f"{len(plan)} perf_analyzer runs in {time.monotonic() - started:.0f} s; "

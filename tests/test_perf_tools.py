@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -128,3 +130,33 @@ def test_report_counts_failed_requests_apart():
     summary = perf_report.summarize(level, count_tokens=len)
     assert (summary.requests, summary.errors) == (1, 1)
     assert dataclasses.asdict(summary)["ttft_ms"][50] == pytest.approx(1.0)
+
+
+def test_perf_plans_stream_with_count_windows_and_never_repeat_a_prompt(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_perf", Path(__file__).parent.parent / "perf" / "run_perf.py")
+    run_perf = importlib.util.module_from_spec(spec)
+    sys.modules["run_perf"] = run_perf  # its dataclass looks itself up there
+    spec.loader.exec_module(run_perf)
+    for name in ("cpu", "h200"):
+        profile = PROFILES[name]
+        plan = run_perf.runs(profile)
+        for run in plan:
+            args = run_perf.perf_analyzer_args(profile, run, tmp_path / "in.json", tmp_path)
+            assert {"--streaming", "--async", "count_windows"} <= set(args), run.stem
+            assert args[args.index("--profile-export-file") + 1] == str(tmp_path / f"{run.stem}.json")
+        assert sum("_trtllm" in run.stem for run in plan) == len(profile.perf.concurrencies)
+        assert all(any(f"len{n}_vllm" in run.stem for run in plan) for n in profile.perf.prompt_lengths)
+        for input_name in {run.input_name for run in plan}:
+            assert sum(r.requests for r in plan if r.input_name == input_name) <= profile.perf.prompts_per_file
+    rate = [run for run in run_perf.runs(PROFILES["h200"]) if "rate" in run.stem]
+    assert rate and rate[0].load == ["--request-rate-range", f"{200 / 60:.4f}"]
+    # each run starts past the prompts the runs before it used
+    cpu = [r for r in run_perf.runs(PROFILES["cpu"]) if r.input_name == "len128_vllm.json"]
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    (inputs / "len128_vllm.json").write_text(json.dumps({"data": [{"text_input": [str(i)]} for i in range(23)]}))
+    files = run_perf.run_inputs(cpu, inputs, tmp_path)
+    firsts = [json.loads(files[r.stem].read_text())["data"][0]["text_input"][0] for r in cpu]
+    assert firsts == ["0", str(cpu[0].requests)]
