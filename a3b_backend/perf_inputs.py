@@ -133,15 +133,17 @@ class Corpus:
     def text_of_length(self, length: int, start: int = 0) -> str:
         """Corpus text that is exactly `length` tokens. Decoding a token window and
         encoding it again can merge or split tokens at the seams, so the window
-        is resized until the string itself counts right."""
-        count = length
-        for attempt in range(64):
-            text = self.tokenizer.decode(self.window(start, max(count, 1)))
-            got = len(self.tokenizer.encode(text))
-            if got == length:
-                return text
-            step = length - got
-            count += step if attempt < 8 else (1 if step > 0 else -1)
+        is resized until the string itself counts right; where a seam keeps
+        flipping between one token too few and one too many, the window moves
+        on by a token."""
+        for shift in range(16):
+            count = length
+            for _ in range(4):
+                text = self.tokenizer.decode(self.window(start + shift, max(count, 1)))
+                got = len(self.tokenizer.encode(text))
+                if got == length:
+                    return text
+                count += length - got
         raise InputError(f"could not cut a prompt of exactly {length} tokens from the corpus at offset {start}")
 
 

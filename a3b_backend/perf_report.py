@@ -134,12 +134,12 @@ def plot(summaries: Sequence[Summary], path: Path, title: str) -> None:
     by_source: dict[str, list[Summary]] = {}
     for s in summaries:
         by_source.setdefault(s.source, []).append(s)
-    for source, rows in by_source.items():
-        x = [r.label for r in rows]
-        axes[0].plot(x, [r.ttft_ms[50] for r in rows], marker="o", label=f"{source} p50")
-        axes[0].plot(x, [r.ttft_ms[99] for r in rows], marker="x", linestyle="--", label=f"{source} p99")
-        axes[1].plot(x, [r.itl_ms[50] for r in rows], marker="o", label=source)
-        axes[2].plot(x, [r.output_tokens_per_s for r in rows], marker="o", label=source)
+    for i, (source, rows) in enumerate(by_source.items()):
+        x, color = [r.label for r in rows], f"C{i % 10}"
+        axes[0].plot(x, [r.ttft_ms[50] for r in rows], marker="o", color=color, label=f"{source} p50")
+        axes[0].plot(x, [r.ttft_ms[99] for r in rows], marker="x", linestyle="--", color=color, label="p99")
+        axes[1].plot(x, [r.itl_ms[50] for r in rows], marker="o", color=color, label=source)
+        axes[2].plot(x, [r.output_tokens_per_s for r in rows], marker="o", color=color, label=source)
     for ax, name in zip(axes, ("TTFT (ms)", "inter-token latency p50 (ms)", "output tokens/s")):
         ax.set_title(name)
         ax.set_xlabel("load")

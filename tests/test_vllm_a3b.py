@@ -22,23 +22,27 @@ CONFIG = A3BConfig(1, 32, iterations=2)
 # vLLM's CPU attention needs head_dim >= 32.
 VLLM_SHAPE = dict(hidden_size=128, head_dim=32)
 PROMPT = [3, 17, 42, 99, 7, 128, 200, 5, 64, 31, 250, 11]
+# The MoE model carries Qwen's vocabulary (its BPE from the dashscope package)
+# and reads a real sentence tokenized with it.
+QWEN_VOCAB = 151936
+QWEN_TEXT = "The capital of France is Paris. Mixture-of-experts layers route each token to two experts."
 # Max |log p| difference between vLLM (float32, A3B kernels) and transformers
 # (float32, dequantized weights): summation order only.
 LOGPROB_TOLERANCE = 2e-3
 
 
-def probe(mode: str, model_dir: Path, *args: str) -> tuple[object | None, str]:
-    done = subprocess.run([sys.executable, str(PROBE), mode, str(model_dir), ",".join(map(str, PROMPT)), *args],
+def probe(mode: str, model_dir: Path, *args: str, prompt: list[int] = PROMPT) -> tuple[object | None, str]:
+    done = subprocess.run([sys.executable, str(PROBE), mode, str(model_dir), ",".join(map(str, prompt)), *args],
                           capture_output=True, text=True, timeout=600)
     line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
     return (json.loads(line[len("RESULT "):]) if line else None), done.stdout + done.stderr
 
 
-def reference_logprobs(model) -> list[float]:
+def reference_logprobs(model, prompt: list[int]) -> list[float]:
     with torch.no_grad():
-        logits = model(torch.tensor([PROMPT])).logits[0].float()
+        logits = model(torch.tensor([prompt])).logits[0].float()
     logp = torch.log_softmax(logits, -1)
-    return [logp[i - 1, PROMPT[i]].item() for i in range(1, len(PROMPT))]
+    return [logp[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +52,22 @@ def llama(tmp_path_factory):
     return src, convert(src, tmp / "a3b", CONFIG)
 
 
-@pytest.mark.parametrize("model_type, extra", [("llama", {}), ("qwen3_moe", dict(MOE, decoder_sparse_step=1))])
+@pytest.mark.parametrize("model_type, extra", [
+    ("llama", {}),
+    ("qwen3_moe", dict(MOE, decoder_sparse_step=1, vocab_size=QWEN_VOCAB)),
+])
 def test_vllm_logits_match_dequantized_reference(tmp_path, model_type, extra):
     src = tiny(tmp_path, model_type, **VLLM_SHAPE, **extra)
     dst = convert(src, tmp_path / "a3b", CONFIG)
-    logprobs, log = probe("prompt-logprobs", dst)
+    prompt = PROMPT
+    if model_type == "qwen3_moe":
+        from a3b_backend.perf_inputs import QwenTokenizer
+
+        prompt = QwenTokenizer.load().encode(QWEN_TEXT)
+        assert len(prompt) > 10 and max(prompt) > 256
+    logprobs, log = probe("prompt-logprobs", dst, prompt=prompt)
     assert logprobs is not None, log[-4000:]
-    expected = reference_logprobs(_dequantized_model(dst, src))
+    expected = reference_logprobs(_dequantized_model(dst, src), prompt)
     diff = max(abs(a - b) for a, b in zip(logprobs, expected))
     assert diff < LOGPROB_TOLERANCE, (logprobs, expected)
 

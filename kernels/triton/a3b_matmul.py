@@ -1,0 +1,73 @@
+"""A3B weight-only matmul in the Triton language: y[M, N] = x[M, K] @ W^T with
+W read as packed 4-bit codes (two per byte, low nibble = even column) and
+per-block (1 x BLOCK_COLS) metadata, dequantized in registers:
+w = lo + (code >> 1) * step + (code & 1 ? +d : -d), the 16-entry table of
+docs/a3b_format.md computed rather than gathered.
+
+Even and odd columns are handled as two half-width tiles (one per nibble), so
+the codes are never interleaved in registers: acc += x_even @ w_even^T +
+x_odd @ w_odd^T. Decode (M = 1..16) and prefill use the same kernel; M is
+tiled by BLOCK_M >= 16 for tl.dot.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from a3b_backend.quant.format import A3BConfig, A3BWeight
+
+
+@triton.jit
+def _a3b_matmul_kernel(x_ptr, packed_ptr, lo_ptr, step_ptr, delta_ptr, lo_scale_ptr, step_scale_ptr, y_ptr,
+                       M, N, K, n_kblocks,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    half = tl.arange(0, GROUP // 2)
+    row_ok = rows < M
+    col_ok = cols < N
+    lo_scale = tl.load(lo_scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    step_scale = tl.load(step_scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, n_kblocks):
+        k_even = kb * GROUP + 2 * half
+        k_ok = k_even < K
+        k_odd_ok = (k_even + 1) < K
+        meta = cols * n_kblocks + kb
+        lo = tl.load(lo_ptr + meta, mask=col_ok, other=0).to(tl.float32) * lo_scale
+        step = tl.load(step_ptr + meta, mask=col_ok, other=0).to(tl.float32) * step_scale
+        d = step * tl.load(delta_ptr + meta, mask=col_ok, other=0).to(tl.float32) / 255.0
+        byte = tl.load(packed_ptr + cols[:, None] * ((K + 1) // 2) + (k_even // 2)[None, :],
+                       mask=col_ok[:, None] & k_ok[None, :], other=0).to(tl.int32)
+        c_even = byte & 0xF
+        c_odd = byte >> 4
+        w_even = lo[:, None] + (c_even >> 1).to(tl.float32) * step[:, None] \
+            + ((c_even & 1) * 2 - 1).to(tl.float32) * d[:, None]
+        w_odd = lo[:, None] + (c_odd >> 1).to(tl.float32) * step[:, None] \
+            + ((c_odd & 1) * 2 - 1).to(tl.float32) * d[:, None]
+        x_even = tl.load(x_ptr + rows[:, None] * K + k_even[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                         other=0.0).to(tl.float32)
+        x_odd = tl.load(x_ptr + rows[:, None] * K + (k_even + 1)[None, :],
+                        mask=row_ok[:, None] & k_odd_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.dot(x_even, tl.trans(w_even), input_precision="ieee")
+        acc += tl.dot(x_odd, tl.trans(w_odd), input_precision="ieee")
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def a3b_matmul(x: torch.Tensor, q: A3BWeight, config: A3BConfig, out: torch.Tensor | None = None,
+               block_m: int = 16, block_n: int = 32) -> torch.Tensor:
+    """float32 y[M, N] (into `out` when given). Needs 1 x C blocks (the format's
+    default), C a power of two."""
+    if config.block_rows != 1:
+        raise ValueError(f"the Triton A3B kernel reads 1xC blocks, not {config.block_rows}x{config.block_cols}")
+    N, K = q.shape.tolist()
+    M = x.shape[0]
+    x = x.contiguous()
+    y = torch.empty(M, N, dtype=torch.float32, device=x.device) if out is None else out
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _a3b_matmul_kernel[grid](x, q.packed, q.lo, q.step, q.delta, q.lo_scale, q.step_scale, y,
+                             M, N, K, q.lo.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, GROUP=config.block_cols)
+    return y
