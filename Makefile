@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL_DIR ?= models/smollm2-135m-instruct
 
-.PHONY: setup model serve test test-unit render perf-tools perf perf-inputs genai-perf locust bench-overload bench-overhead bench-cpu-modes bench-a3b quality clean
+.PHONY: setup model serve test test-unit render perf-tools need-venv perf perf-inputs genai-perf locust bench-overload bench-overhead bench-cpu-modes bench-a3b quality clean
 
 setup:
 	bash scripts/setup.sh
@@ -35,13 +35,18 @@ PROFILE ?= cpu
 perf-inputs: setup model
 	$(PY) -m a3b_backend.perf_inputs --profile $(PROFILE) --out perf/inputs/$(PROFILE)
 
+# Targets that measure a running server leave its environment alone (setup
+# would rewrite files the server is using).
+need-venv:
+	@test -x $(PY) -a -d $(MODEL_DIR) || { echo "no .venv or model yet: run make serve first"; exit 1; }
+
 # perf_analyzer sweep of the profile's plan against the running server (`make serve`), report under perf/results/
 PERF_URL ?= localhost:8001
-perf: setup model perf-tools
+perf: need-venv perf-tools
 	$(PY) perf/run_perf.py --profile $(PROFILE) --url $(PERF_URL)
 
 # genai-perf with its stock payloads against `ensemble`, in both request flavours
-genai-perf: setup model perf-tools
+genai-perf: need-venv perf-tools
 	for backend in vllm tensorrtllm; do \
 	  bash scripts/genai_perf.sh profile -m ensemble --endpoint-type kserve --backend $$backend --streaming \
 	    --tokenizer $(MODEL_DIR) -u $(PERF_URL) --synthetic-input-tokens-mean 64 --output-tokens-mean 16 \
@@ -50,13 +55,13 @@ genai-perf: setup model perf-tools
 
 # locust against the HTTP generate endpoints (headless; drop --headless for its web UI)
 LOCUST_HOST ?= http://localhost:8000
-locust: setup perf-tools
+locust: perf-tools
 	mkdir -p perf/results/locust
 	.venv-genai/bin/locust -f perf/locustfile.py --host $(LOCUST_HOST) --headless -u 4 -r 2 -t 60s \
 	  --csv perf/results/locust/ensemble --only-summary
 
 # admitted-request latency and refusals past the admission limit, against the running server
-bench-overload: setup model perf-tools
+bench-overload: need-venv perf-tools
 	$(PY) perf/overload.py --profile $(PROFILE) --url $(PERF_URL)
 
 # bare AsyncLLM vs a3b_llm vs ensemble, same prompts, interleaved (starts its own server)

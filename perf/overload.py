@@ -3,9 +3,13 @@ server admits (profile max_in_flight), against a running server (`make serve`).
 
     make bench-overload              # or: python perf/overload.py --url localhost:8001
 
-1. perf_analyzer (streaming gRPC, count windows) at concurrency up to the
-   admission limit: it aborts its whole run at the first error response, so it
-   cannot drive a server past the point where it refuses requests.
+1. perf_analyzer (streaming gRPC, count windows) below the admission limit:
+   at the first error response it aborts its run (seen: "Thread [0] had
+   error: server busy ...") or hangs ("Failed to retrieve results from
+   inference request.", then nothing), so it cannot drive a server to the
+   point where it refuses requests. At exactly the limit a client that sends
+   its next request the moment a stream ends can already be refused: the
+   finished request leaves the in-flight count a moment after its last response.
 2. Our closed-loop tritonclient generator at, below and past the limit:
    refused requests are counted ("server busy ... retry later"), admitted ones
    are timed, and a request without its final response within the timeout
@@ -48,7 +52,7 @@ def perf_analyzer_level(url: str, model: str, concurrency: int, output_tokens: i
            "--measurement-mode", "count_windows", "--measurement-request-count", str(requests),
            "--stability-percentage", "999", "--max-trials", "3", "--profile-export-file", str(export)]
     print("$", " ".join(cmd[1:]), flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=900)
     [level] = perf_report.records_from_export(json.loads(export.read_text()))
     level.source = "perf_analyzer"
     return level
@@ -84,6 +88,7 @@ def plot(rows: list[list[str]], summaries: list[perf_report.Summary], path: Path
     ax_lat.legend(fontsize=7)
     ax_lat.grid(alpha=0.3)
     ax_ref.set(ylabel="% of requests refused (server busy)", title="refusals")
+    ax_ref.tick_params(axis="x", labelrotation=45, labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -94,18 +99,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--url", default="localhost:8001", help="Triton gRPC address")
     parser.add_argument("--model", default="ensemble")
     parser.add_argument("--profile", help="the served profile (for its admission limit)")
-    parser.add_argument("--concurrency", type=int, nargs="+", help="default: limit/4, limit, 1.5x, 2x limit")
+    parser.add_argument("--concurrency", type=int, nargs="+",
+                        help="default: limit/4, 3/4 limit, limit, 1.5x and 2x limit")
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a request counts as hung")
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "overload")
     args = parser.parse_args(argv)
     profile = get_profile(args.profile)
     limit = profile.max_in_flight
-    levels = args.concurrency or [limit // 4, limit, limit * 3 // 2, limit * 2]
+    levels = args.concurrency or [limit // 4, limit * 3 // 4, limit, limit * 3 // 2, limit * 2]
     count = perf_report.token_counter(profile.resolve_model_dir(ROOT))
     runs: list[perf_report.LoadLevel] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for c in (c for c in levels if c <= limit):
+        for c in (c for c in levels if c < limit):
             level = perf_analyzer_level(args.url, args.model, c, args.output_tokens, c, Path(tmp))
             if level is not None:
                 runs.append(level)

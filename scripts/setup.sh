@@ -33,7 +33,9 @@ step "installing tritonserver binary (nvidia-pytriton, binary only)"
 # --no-deps: pytriton's numpy<2 pin and API are not needed, only its server build.
 "${PIP[@]}" install -q --no-deps "nvidia-pytriton==0.7.0"
 TRITON_DIR="$("$VENV/bin/python" -c 'import importlib.util,os;print(os.path.join(os.path.dirname(importlib.util.find_spec("pytriton").origin),"tritonserver"))')"
-cp "$TRITON_DIR/python_backend_stubs/3.11/triton_python_backend_stub" "$TRITON_DIR/backends/python/"
+# copy + rename: a running server keeps its stub open ("Text file busy" for cp)
+cp "$TRITON_DIR/python_backend_stubs/3.11/triton_python_backend_stub" "$TRITON_DIR/backends/python/.stub.new"
+mv -f "$TRITON_DIR/backends/python/.stub.new" "$TRITON_DIR/backends/python/triton_python_backend_stub"
 chmod +x "$TRITON_DIR/backends/python/triton_python_backend_stub" "$TRITON_DIR/bin/tritonserver"
 
 step "installing tritonclient, test tools and the a3b-triton package"
