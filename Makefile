@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL_DIR ?= models/smollm2-135m-instruct
 
-.PHONY: setup model serve test test-unit render perf-tools need-venv perf perf-inputs genai-perf locust bench-overload bench-overhead bench-cpu-modes bench-a3b quality clean
+.PHONY: setup model serve test test-unit render perf-tools need-venv perf perf-inputs genai-perf locust bench-overload bench-overhead bench-prefix-cache bench-cpu-modes bench-a3b quality clean
 
 setup:
 	bash scripts/setup.sh
@@ -63,6 +63,10 @@ locust: perf-tools
 # admitted-request latency and refusals past the admission limit, against the running server
 bench-overload: need-venv perf-tools
 	$(PY) perf/overload.py --profile $(PROFILE) --url $(PERF_URL)
+
+# TTFT on the RAG mix with and without prefix caching (its own engines)
+bench-prefix-cache: setup model
+	$(PY) perf/prefix_cache.py
 
 # bare AsyncLLM vs a3b_llm vs ensemble, same prompts, interleaved (starts its own server)
 bench-overhead: setup model

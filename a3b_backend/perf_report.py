@@ -153,6 +153,15 @@ def plot(summaries: Sequence[Summary], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def machine() -> str:
+    """The CPU and core count a figure was measured on, for the report's header."""
+    import os
+
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
+    return f"{model}, {os.cpu_count()} cores"
+
+
 def token_counter(tokenizer_dir: Path) -> Callable[[str], int]:
     from transformers import AutoTokenizer
 

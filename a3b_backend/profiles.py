@@ -96,6 +96,11 @@ class Profile:
         path = Path(override or self.model_dir)
         return path if path.is_absolute() else (project_root / path).resolve()
 
+    def engine_env(self) -> dict[str, str]:
+        """Environment for vLLM processes: an explicit CPU KV size (vLLM's CPU
+        default reserves 90% of RAM and refuses to start beside another engine)."""
+        return {"VLLM_CPU_KVCACHE_SPACE": str(self.cpu_kv_cache_gib)}
+
     def engine_args(self, project_root: Path) -> dict[str, Any]:
         """Keyword arguments for vLLM's AsyncEngineArgs."""
         args: dict[str, Any] = dict(
@@ -126,79 +131,62 @@ class Profile:
 # Qwen3.6-35B-A3B's native context (its config.json max_position_embeddings)
 QWEN36_CONTEXT = 262144
 
-PROFILES: dict[str, Profile] = {
-    p.name: p
-    for p in (
-        Profile(
-            name="cpu",
-            # `make model`: SmolLM2-135M-Instruct converted to A3B by a3b-quantize
-            model_dir="models/smollm2-135m-instruct-a3b",
-            max_model_len=8192,
-            default_max_tokens=512,
-            model_context_limit=8192,
-            # vLLM's start-up profile run is one forward of max_num_batched_tokens:
-            # keep it small on 2 cores (chunked prefill splits longer prompts).
-            max_num_seqs=16,
-            max_num_batched_tokens=1024,
-            max_in_flight=64,
-            cpu_kv_cache_gib=2,
-            # Eager float32 (make bench-cpu-modes, perf/results/cpu_engine_modes.md):
-            # without AVX-512 BF16, torch's bf16 GEMM is a scalar loop (prefill
-            # 6.7x slower); compiled mode starts 5x slower for 12% more decode.
-            enforce_eager=True,
-            dtype="float32",
-            perf=PerfPlan(prompt_lengths=(128, 1024, 2048), output_tokens=32, concurrencies=(1, 4),
-                          requests_per_window=3, rag_document_tokens=1536),
-        ),
-        Profile(
-            name="h200",
-            model_dir="models/qwen3.6-35b-a3b-a3b",
-            max_model_len=131072,
-            default_max_tokens=2048,
-            model_context_limit=QWEN36_CONTEXT,
-            gpus_per_node=1,
-            kv_cache_dtype="fp8",
-            max_num_seqs=64,
-            max_num_batched_tokens=8192,
-            gpu_memory_utilization=0.92,
-        ),
-        Profile(
-            name="a100x8",
-            model_dir="models/qwen3.6-35b-a3b-a3b",
-            max_model_len=131072,
-            default_max_tokens=2048,
-            model_context_limit=QWEN36_CONTEXT,
-            gpus_per_node=8,
-            tensor_parallel_size=8,
-            enable_expert_parallel=True,
-            kv_cache_dtype="fp8",
-            max_num_seqs=64,
-            max_num_batched_tokens=4096,
-            gpu_memory_utilization=0.92,
-            distributed_executor_backend="mp",
-        ),
-        Profile(
-            # Beyond one node (docs/deployment.md): vLLM's Ray executor, tensor
-            # parallel inside a node, pipeline parallel across the two. Sized
-            # for a model that needs 16 GPUs; point A3B_MODEL_DIR at it.
-            name="multinode",
-            model_dir="models/qwen3.6-35b-a3b-a3b",
-            max_model_len=131072,
-            default_max_tokens=2048,
-            model_context_limit=QWEN36_CONTEXT,
-            gpus_per_node=8,
-            nodes=2,
-            tensor_parallel_size=8,
-            pipeline_parallel_size=2,
-            enable_expert_parallel=True,
-            kv_cache_dtype="fp8",
-            max_num_seqs=64,
-            max_num_batched_tokens=4096,
-            gpu_memory_utilization=0.92,
-            distributed_executor_backend="ray",
-        ),
-    )
-}
+_SINGLE_NODE = (
+    Profile(
+        name="cpu",
+        # `make model`: SmolLM2-135M-Instruct converted to A3B by a3b-quantize
+        model_dir="models/smollm2-135m-instruct-a3b",
+        max_model_len=8192,
+        default_max_tokens=512,
+        model_context_limit=8192,
+        # vLLM's start-up profile run is one forward of max_num_batched_tokens:
+        # keep it small on 2 cores (chunked prefill splits longer prompts).
+        max_num_seqs=16,
+        max_num_batched_tokens=1024,
+        max_in_flight=64,
+        cpu_kv_cache_gib=2,
+        # Eager float32 (make bench-cpu-modes, perf/results/cpu_engine_modes.md):
+        # without AVX-512 BF16, torch's bf16 GEMM is a scalar loop (prefill
+        # 6.7x slower); compiled mode starts 5x slower for 12% more decode.
+        enforce_eager=True,
+        dtype="float32",
+        perf=PerfPlan(prompt_lengths=(128, 1024, 2048), output_tokens=32, concurrencies=(1, 4),
+                      requests_per_window=3, rag_document_tokens=1536),
+    ),
+    Profile(
+        name="h200",
+        model_dir="models/qwen3.6-35b-a3b-a3b",
+        max_model_len=131072,
+        default_max_tokens=2048,
+        model_context_limit=QWEN36_CONTEXT,
+        gpus_per_node=1,
+        kv_cache_dtype="fp8",
+        max_num_seqs=64,
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.92,
+    ),
+    Profile(
+        name="a100x8",
+        model_dir="models/qwen3.6-35b-a3b-a3b",
+        max_model_len=131072,
+        default_max_tokens=2048,
+        model_context_limit=QWEN36_CONTEXT,
+        gpus_per_node=8,
+        tensor_parallel_size=8,
+        enable_expert_parallel=True,
+        kv_cache_dtype="fp8",
+        max_num_seqs=64,
+        max_num_batched_tokens=4096,
+        gpu_memory_utilization=0.92,
+        distributed_executor_backend="mp",
+    ),
+)
+# Beyond one node (docs/deployment.md): a100x8's settings on two nodes with
+# vLLM's Ray executor, tensor parallel inside a node and pipeline parallel
+# across the two. Sized for a model that needs 16 GPUs; point A3B_MODEL_DIR at it.
+_MULTINODE = dataclasses.replace(_SINGLE_NODE[-1], name="multinode", nodes=2, pipeline_parallel_size=2,
+                                 distributed_executor_backend="ray")
+PROFILES: dict[str, Profile] = {p.name: p for p in (*_SINGLE_NODE, _MULTINODE)}
 
 
 def get_profile(name: str | None = None) -> Profile:

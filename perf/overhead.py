@@ -4,6 +4,7 @@ out), (c) the full `ensemble` (text in, text out), interleaved a b c a b c ...
 
     make bench-overhead       # starts its own server; table + PNG under perf/results/overhead/
 
+Variants run 2 s apart (the idle engine's OpenMP threads stop spinning).
 Every request has its own 128-token prompt (so no variant reuses another's
 prefix cache) and generates exactly OUTPUT_TOKENS greedy tokens. Per round,
 C requests start together (C = 1 and 8). Reported: median TTFT and
@@ -28,13 +29,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from a3b_backend import loadgen, perf_inputs, server_process  # noqa: E402
+from a3b_backend import loadgen, perf_inputs, perf_report, server_process  # noqa: E402
 from a3b_backend.perf_report import RequestRecord  # noqa: E402
 from a3b_backend.profiles import get_profile  # noqa: E402
 
 OUTPUT_TOKENS = 32
 PROMPT_TOKENS = 128
 VARIANTS = ("a: AsyncLLM", "b: a3b_llm", "c: ensemble")
+SETTLE_S = 2.0
 
 
 def sampling() -> dict:
@@ -120,8 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "overhead")
     args = parser.parse_args(argv)
     profile = get_profile()
-    # the served engine's KV size (a3b_llm sets the same), not vLLM's CPU default of 90% of RAM
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(profile.cpu_kv_cache_gib))
+    os.environ.update(profile.engine_env())  # the served engine's settings (a3b_llm sets the same)
     tokenizer = perf_inputs.HFTokenizer.load(profile.resolve_model_dir(ROOT))
     corpus = perf_inputs.Corpus(tokenizer)
     needed = sum(c * args.rounds * len(VARIANTS) for c in args.concurrency)
@@ -154,6 +155,10 @@ def main(argv: list[str] | None = None) -> None:
                                      "sampling_parameters": json.dumps(sampling())} for x in ids])
                             results.setdefault((variant, c), []).append(latencies(records))
                             bar.update()
+                            # Two engines share the cores: the one that just ran keeps its
+                            # OpenMP threads spinning for a while and would slow the next
+                            # variant's prefill (seen: TTFT 2x for whichever engine ran second).
+                            time.sleep(SETTLE_S)
             engine.shutdown()
         finally:
             loop.close()
@@ -179,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "overhead.json").write_text(json.dumps(rows, indent=1))
     (args.out / "overhead.md").write_text(
         f"# Serving overhead: bare AsyncLLM vs a3b_llm vs ensemble (profile {profile.name})\n\n"
+        f"Machine: {perf_report.machine()}. "
         f"Command: `make bench-overhead`. {args.rounds} interleaved rounds per concurrency, "
         f"{PROMPT_TOKENS}-token prompts (each its own), {OUTPUT_TOKENS} greedy output tokens.\n"
         "Goal (cpu profile, concurrency 1): ensemble TTFT / a <= 1.05 and ITL - a <= 1 ms/token.\n\n"

@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     plot(rows, summaries, args.out / "overload.png")
     (args.out / "overload.md").write_text(
         f"# Overload against `{args.model}` (profile {profile.name}, max_in_flight {limit})\n\n"
+        f"Machine: {perf_report.machine()}. "
         f"Command: `make bench-overload`. {args.output_tokens} output tokens per request, "
         f"each client sends 2 requests on average; refused clients back off 0.5 s.\n\n{table}\n"
         "![overload](overload.png)\n")

@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     count = perf_report.token_counter(profile.resolve_model_dir(ROOT))
     levels = perf_report.load_levels(sorted(exports / f"{run.stem}.json" for run in plan))
     summaries = [perf_report.summarize(level, count) for level in levels]
-    preamble = (f"Command: `make perf` (perf/run_perf.py --profile {profile.name}), "
+    preamble = (f"Machine: {perf_report.machine()}. "
+                f"Command: `make perf` (perf/run_perf.py --profile {profile.name}), "
                 f"{len(plan)} perf_analyzer runs in {time.monotonic() - started:.0f} s; "
                 f"{profile.perf.output_tokens} output tokens per request, streaming gRPC against `{args.model}`.")
     print(perf_report.markdown_table(summaries))

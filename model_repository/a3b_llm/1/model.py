@@ -27,7 +27,7 @@ class TritonPythonModel:
         self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
         self.host = EngineHost(
             profile.engine_args(triton_io.project_root(args)),
-            env={"VLLM_CPU_KVCACHE_SPACE": str(profile.cpu_kv_cache_gib)},
+            env=profile.engine_env(),
             stat_loggers=[self.metrics.stat_logger_factory()],
             on_state=self.metrics.engine_state,
             on_in_flight=self.metrics.metric["a3b_num_requests_in_flight"].set,
