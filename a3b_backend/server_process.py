@@ -81,7 +81,20 @@ def start(log: Path, extra_env: dict[str, str] | None = None) -> Server:
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    """The server, its python stubs and vLLM's engine processes: nothing may outlive it."""
+    """serve.sh, the server, its python stubs and vLLM's engine processes:
+    nothing may outlive it. The server runs in a session of its own (serve.sh
+    uses setsid), so its descendants are killed one by one, then the group."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    for child in descendants:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

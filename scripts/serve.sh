@@ -21,26 +21,23 @@ if [[ -n "${A3B_ADMIN_KEY:-}" ]]; then
               "--grpc-restricted-protocol=$apis:admin-key=$A3B_ADMIN_KEY")
 fi
 
-descendants() {
-  local child
-  for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do
-    echo "$child"
-    descendants "$child"
-  done
-}
+# tritonserver runs in a session of its own, so its python stubs and the vLLM
+# engine processes they spawn share its process group: on the way out the
+# whole group goes, including an engine orphaned by a stub that died first.
+sweep() { kill -KILL -- "-$server" 2>/dev/null || true; }
 
 stop() {
   kill -TERM "$server" 2>/dev/null || true
   for _ in $(seq $((EXIT_TIMEOUT + KILL_GRACE))); do
-    kill -0 "$server" 2>/dev/null || exit 0
+    if ! kill -0 "$server" 2>/dev/null; then sweep; exit 0; fi
     sleep 1
   done
   echo "serve.sh: tritonserver still running $((EXIT_TIMEOUT + KILL_GRACE)) s after the signal; killing it" >&2
-  kill -KILL "$server" $(descendants "$server") 2>/dev/null || true
+  sweep
   exit 1
 }
 
-"$ROOT/scripts/tritonserver.sh" \
+setsid "$ROOT/scripts/tritonserver.sh" \
   --model-repository "$ROOT/model_repository" \
   --http-address "$HOST" --http-port "${A3B_HTTP_PORT:-8000}" \
   --grpc-address "$HOST" --grpc-port "${A3B_GRPC_PORT:-8001}" \
@@ -49,4 +46,7 @@ stop() {
   "${restricted[@]}" "$@" &
 server=$!
 trap stop TERM INT
-wait "$server"
+status=0
+wait "$server" || status=$?
+sweep
+exit "$status"
