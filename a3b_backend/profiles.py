@@ -130,6 +130,11 @@ class Profile:
 
 # Qwen3.6-35B-A3B's native context (its config.json max_position_embeddings)
 QWEN36_CONTEXT = 262144
+# What every Qwen3.6-35B-A3B profile shares: the A3B checkpoint a3b-quantize
+# writes, 128K context, fp8 KV cache.
+QWEN36_SERVING = dict(model_dir="models/qwen3.6-35b-a3b-a3b", max_model_len=131072, default_max_tokens=2048,
+                      model_context_limit=QWEN36_CONTEXT, kv_cache_dtype="fp8", max_num_seqs=64,
+                      gpu_memory_utilization=0.92)
 
 _SINGLE_NODE = (
     Profile(
@@ -155,29 +160,17 @@ _SINGLE_NODE = (
     ),
     Profile(
         name="h200",
-        model_dir="models/qwen3.6-35b-a3b-a3b",
-        max_model_len=131072,
-        default_max_tokens=2048,
-        model_context_limit=QWEN36_CONTEXT,
+        **QWEN36_SERVING,
         gpus_per_node=1,
-        kv_cache_dtype="fp8",
-        max_num_seqs=64,
         max_num_batched_tokens=8192,
-        gpu_memory_utilization=0.92,
     ),
     Profile(
         name="a100x8",
-        model_dir="models/qwen3.6-35b-a3b-a3b",
-        max_model_len=131072,
-        default_max_tokens=2048,
-        model_context_limit=QWEN36_CONTEXT,
+        **QWEN36_SERVING,
         gpus_per_node=8,
         tensor_parallel_size=8,
         enable_expert_parallel=True,
-        kv_cache_dtype="fp8",
-        max_num_seqs=64,
         max_num_batched_tokens=4096,
-        gpu_memory_utilization=0.92,
         distributed_executor_backend="mp",
     ),
 )

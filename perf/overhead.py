@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     profile = get_profile()
     os.environ.update(profile.engine_env())  # the served engine's settings (a3b_llm sets the same)
-    tokenizer = perf_inputs.HFTokenizer.load(profile.resolve_model_dir(ROOT))
+    tokenizer = perf_inputs.tokenizer_for(profile, ROOT)
     corpus = perf_inputs.Corpus(tokenizer)
     needed = sum(c * args.rounds * len(VARIANTS) for c in args.concurrency)
     stride = len(corpus.ids) // needed

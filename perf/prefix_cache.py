@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     profile = get_profile()
     os.environ.update(profile.engine_env())  # the served engine's settings (a3b_llm sets the same)
-    tokenizer = perf_inputs.HFTokenizer.load(profile.resolve_model_dir(ROOT))
+    tokenizer = perf_inputs.tokenizer_for(profile, ROOT)
     corpus = perf_inputs.Corpus(tokenizer)
     data = perf_inputs.rag_data(corpus, profile, profile.perf.rag_document_tokens, 1, "vllm", args.requests)
     prompts = [tokenizer.encode(entry["text_input"][0]) for entry in data["data"]]
