@@ -24,13 +24,13 @@ APP = "a3b-triton"
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 RAY_PORT = 6379
 EXIT_TIMEOUT_S = 60
+# scripts/serve.sh on SIGTERM: the drain (EXIT_TIMEOUT_S), Triton's own exit
+# timeout after it (20 s), its kill grace (15 s), and a margin.
+SHUTDOWN_BOUND_S = EXIT_TIMEOUT_S + 20 + 15 + 5
 MODEL_MOUNT = "/models"
 TLS_MOUNT = "/tls"
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 EXECUTORS = (None, "mp", "ray", "uni")
-# Admin APIs need the header `admin-key: <Secret a3b-triton-admin/key>`;
-# inference, health and metadata stay open (put authentication in front of them).
-RESTRICTED = "model-repository,shared-memory,trace,logging,model-config,statistics"
 
 
 def check_profile(p: Profile) -> list[str]:
@@ -101,16 +101,12 @@ def _volumes(p: Profile, tls: bool) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
-def _server_args(tls: bool) -> list[str]:
-    args = ["--model-repository=/opt/a3b/model_repository", f"--http-port={PORTS['http']}",
-            f"--grpc-port={PORTS['grpc']}", f"--metrics-port={PORTS['metrics']}",
-            f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
-            f"--http-restricted-api={RESTRICTED}:admin-key=$(A3B_ADMIN_KEY)",
-            f"--grpc-restricted-protocol={RESTRICTED}:admin-key=$(A3B_ADMIN_KEY)"]
-    if tls:
-        args += ["--grpc-use-ssl=true", f"--grpc-server-cert={TLS_MOUNT}/tls.crt",
-                 f"--grpc-server-key={TLS_MOUNT}/tls.key"]
-    return args
+def _server_args() -> list[str]:
+    """gRPC TLS, on top of what scripts/serve.sh (the image's entrypoint) sets:
+    repository, ports, exit timeout and, from A3B_ADMIN_KEY, the restricted
+    admin APIs."""
+    return ["--grpc-use-ssl=true", f"--grpc-server-cert={TLS_MOUNT}/tls.crt",
+            f"--grpc-server-key={TLS_MOUNT}/tls.key"]
 
 
 def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
@@ -121,6 +117,9 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 def _env(p: Profile) -> list[dict[str, Any]]:
     env = [{"name": "A3B_PROFILE", "value": p.name},
            {"name": "HF_HUB_OFFLINE", "value": "1"},
+           {"name": "A3B_EXIT_TIMEOUT", "value": str(EXIT_TIMEOUT_S)},
+           # serve.sh puts Triton's admin APIs behind the header `admin-key`;
+           # inference, health and metadata stay open (put authentication in front of them).
            {"name": "A3B_ADMIN_KEY", "valueFrom": {"secretKeyRef": {"name": f"{APP}-admin", "key": "key"}}}]
     if p.gpus_per_node:
         env.insert(1, {"name": "A3B_MODEL_DIR", "value": f"{MODEL_MOUNT}/{Path(p.model_dir).name}"})
@@ -134,7 +133,7 @@ def _server_container(p: Profile, tls: bool) -> dict[str, Any]:
     ports = [{"name": n, "containerPort": port} for n, port in PORTS.items()]
     container: dict[str, Any] = {
         "name": "triton", "image": _image(p), "imagePullPolicy": "IfNotPresent",
-        "args": _server_args(tls), "env": _env(p), "ports": ports,
+        "env": _env(p), "ports": ports,
         # Model load (a 35B checkpoint from disk onto the GPUs) takes minutes:
         # the startup probe allows 30, then readiness/liveness take over.
         "startupProbe": _probe("/v2/health/ready", 10, 180),
@@ -143,9 +142,11 @@ def _server_container(p: Profile, tls: bool) -> dict[str, Any]:
         "resources": _resources(p), "volumeMounts": mounts,
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
+    if tls:
+        container["args"] = _server_args()
     if p.nodes > 1:
-        # The image's entrypoint script starts the Ray head, waits for the
-        # workers' GPUs, then execs tritonserver with these args.
+        # The head script starts the Ray head, waits for the workers' GPUs,
+        # then execs serve.sh with these args.
         container["command"] = ["/opt/a3b/scripts/ray_node.sh", "head", str(p.gpus_per_node * p.nodes)]
         ports.append({"name": "ray", "containerPort": RAY_PORT})
     return container
@@ -155,7 +156,7 @@ def _pod_spec(p: Profile, containers: list[dict], tls: bool) -> dict[str, Any]:
     volumes, _ = _volumes(p, tls)
     return {
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000},
-        "terminationGracePeriodSeconds": EXIT_TIMEOUT_S + 15,
+        "terminationGracePeriodSeconds": SHUTDOWN_BOUND_S,
         "containers": containers, "volumes": volumes,
     }
 

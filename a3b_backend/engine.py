@@ -13,6 +13,8 @@ import os
 import threading
 from typing import Any, AsyncIterator, Callable, Coroutine
 
+from a3b_backend.drain import SHUTTING_DOWN
+
 log = logging.getLogger(__name__)
 
 
@@ -104,8 +106,10 @@ class EngineHost:
         if request_id in self._in_flight:
             asyncio.run_coroutine_threadsafe(self.abort(request_id), self._loop)
 
-    def refusal(self, max_in_flight: int) -> str | None:
+    def refusal(self, max_in_flight: int, draining: bool = False) -> str | None:
         """Why a new request must be refused now (retryable), or None to admit it."""
+        if draining:
+            return SHUTTING_DOWN
         if not self.healthy:
             return "engine restarting after a failure; retry in a few seconds"
         if len(self._in_flight) >= max_in_flight:

@@ -49,9 +49,23 @@ class TritonMetrics:
                 labels=labels)
 
     def engine_state(self, up: bool) -> None:
+        if not self.metric:
+            return
         self.metric["a3b_engine_up"].set(1 if up else 0)
         if not up:
             self.metric["a3b_engine_restarts_total"].increment(1)
+
+    def in_flight(self, count: int) -> None:
+        if self.metric:
+            self.metric["a3b_num_requests_in_flight"].set(count)
+
+    def release(self) -> None:
+        """Drops the metric objects, metrics before their families, while the
+        stub can still talk to the server: left to the stub's own teardown,
+        their destructors crash it (python_backend 2.51 segfaults in
+        Metric::Clear on exit)."""
+        self.metric.clear()
+        self._families.clear()
 
     def stat_logger_factory(self):
         """A factory vLLM's AsyncLLM accepts in `stat_loggers`."""
@@ -64,6 +78,8 @@ class TritonMetrics:
                 pass
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+                if not metrics:
+                    return
                 if scheduler_stats is not None:
                     metrics["a3b_num_requests_running"].set(scheduler_stats.num_running_reqs)
                     metrics["a3b_num_requests_waiting"].set(scheduler_stats.num_waiting_reqs)

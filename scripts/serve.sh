@@ -1,19 +1,31 @@
 #!/usr/bin/env bash
-# Starts tritonserver on our model repository in the foreground (Ctrl-C or
-# SIGTERM stops it cleanly), bound to localhost unless told otherwise:
+# Starts tritonserver on our model repository in the foreground, bound to
+# localhost unless told otherwise:
 #   A3B_HOST (127.0.0.1)  A3B_HTTP_PORT (8000)  A3B_GRPC_PORT (8001)
 #   A3B_METRICS_PORT (8002)  A3B_PROFILE (cpu)  A3B_MODEL_DIR (profile's)
-#   A3B_EXIT_TIMEOUT (30): seconds Triton waits for in-flight requests
+#   A3B_EXIT_TIMEOUT (30): on SIGTERM/Ctrl-C, seconds in-flight requests get
+#     to finish while new ones are refused ("server shutting down")
 #   A3B_ADMIN_KEY: when set, Triton's admin APIs (model repository, shared
-#   memory, trace, logging, config, statistics) need the header admin-key.
+#     memory, trace, logging, config, statistics) need the header admin-key.
+#   A3B_TRITONSERVER: the server binary (scripts/tritonserver.sh, the
+#     pip-installed one; the GPU image sets its own)
+# Extra arguments go to tritonserver. A second Ctrl-C skips the drain.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 HOST="${A3B_HOST:-127.0.0.1}"
+METRICS_PORT="${A3B_METRICS_PORT:-8002}"
 EXIT_TIMEOUT="${A3B_EXIT_TIMEOUT:-30}"
-# Past Triton's exit timeout, this long again before the server and its
-# children are killed: Triton 2.51 can keep an ensemble request counted in
-# flight after its step was refused during shutdown, and then hang on exit.
+# After the drain: Triton's own exit timeout, for requests that outlived it...
+STOP_TIMEOUT=20
+# ...and this long again before the server and its children are killed:
+# Triton 2.51 can keep an ensemble request counted in flight after its step
+# was refused during shutdown, and then hang on exit.
 KILL_GRACE=15
+PY="${VENV:-$ROOT/.venv}/bin/python"
+[[ -x "$PY" ]] || PY=python3
+# a3b_llm refuses new requests while this file exists (a3b_backend/drain.py).
+export A3B_DRAIN_FILE="${A3B_DRAIN_FILE:-$(mktemp -u "${TMPDIR:-/tmp}/a3b-drain.XXXXXX")}"
+rm -f "$A3B_DRAIN_FILE"
 restricted=()
 if [[ -n "${A3B_ADMIN_KEY:-}" ]]; then
   apis="model-repository,shared-memory,trace,logging,model-config,statistics"
@@ -24,25 +36,32 @@ fi
 # tritonserver runs in a session of its own, so its python stubs and the vLLM
 # engine processes they spawn share its process group: on the way out the
 # whole group goes, including an engine orphaned by a stub that died first.
-sweep() { kill -KILL -- "-$server" 2>/dev/null || true; }
+sweep() { kill -KILL -- "-$server" 2>/dev/null || true; rm -f "$A3B_DRAIN_FILE"; }
 
+# Triton refuses an ensemble's next step once it is stopping, so in-flight
+# streams are drained first and the server is stopped with none left.
 stop() {
+  trap '' TERM
+  touch "$A3B_DRAIN_FILE"
+  [[ "$HOST" == 0.0.0.0 ]] && metrics_host=127.0.0.1 || metrics_host="$HOST"
+  PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m a3b_backend.drain \
+    --metrics-url "http://$metrics_host:$METRICS_PORT/metrics" --timeout "$EXIT_TIMEOUT" || true
   kill -TERM "$server" 2>/dev/null || true
-  for _ in $(seq $((EXIT_TIMEOUT + KILL_GRACE))); do
+  for _ in $(seq $((STOP_TIMEOUT + KILL_GRACE))); do
     if ! kill -0 "$server" 2>/dev/null; then sweep; exit 0; fi
     sleep 1
   done
-  echo "serve.sh: tritonserver still running $((EXIT_TIMEOUT + KILL_GRACE)) s after the signal; killing it" >&2
+  echo "serve.sh: tritonserver still running $((STOP_TIMEOUT + KILL_GRACE)) s after the signal; killing it" >&2
   sweep
   exit 1
 }
 
-setsid "$ROOT/scripts/tritonserver.sh" \
+setsid "${A3B_TRITONSERVER:-$ROOT/scripts/tritonserver.sh}" \
   --model-repository "$ROOT/model_repository" \
   --http-address "$HOST" --http-port "${A3B_HTTP_PORT:-8000}" \
   --grpc-address "$HOST" --grpc-port "${A3B_GRPC_PORT:-8001}" \
-  --metrics-address "$HOST" --metrics-port "${A3B_METRICS_PORT:-8002}" \
-  --exit-timeout-secs "$EXIT_TIMEOUT" \
+  --metrics-address "$HOST" --metrics-port "$METRICS_PORT" \
+  --exit-timeout-secs "$STOP_TIMEOUT" \
   "${restricted[@]}" "$@" &
 server=$!
 trap stop TERM INT

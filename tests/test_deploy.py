@@ -75,7 +75,10 @@ def test_manifest_serves_the_profile_safely(name):
     assert gpus == (str(profile.gpus_per_node) if profile.gpus_per_node else None)
     assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in pod["volumes"]), "/dev/shm volume"
     assert deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "8002"
-    assert any(a.startswith("--http-restricted-api=") for a in triton["args"])
+    admin_key = next(e for e in triton["env"] if e["name"] == "A3B_ADMIN_KEY")
+    assert admin_key["valueFrom"]["secretKeyRef"]["name"] == "a3b-triton-admin"
+    assert pod["terminationGracePeriodSeconds"] > int(
+        next(e["value"] for e in triton["env"] if e["name"] == "A3B_EXIT_TIMEOUT")) + 20 + 15
     workers = [d for d in docs if d["kind"] == "StatefulSet"]
     assert len(workers) == (1 if profile.nodes > 1 else 0)
     if workers:

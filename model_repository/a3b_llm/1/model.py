@@ -3,12 +3,14 @@ from a3b_backend import triton_io
 
 triton_io.use_utf8_locale()
 
+import asyncio  # noqa: E402
 import dataclasses  # noqa: E402
 import uuid  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 
+from a3b_backend import drain  # noqa: E402
 from a3b_backend.engine import EngineHost  # noqa: E402
 from a3b_backend.generation import (LlmRequest, StepTracker, parse_llm_request, request_arrays,  # noqa: E402
                                     step_arrays)
@@ -30,7 +32,7 @@ class TritonPythonModel:
             env=profile.engine_env(),
             stat_loggers=[self.metrics.stat_logger_factory()],
             on_state=self.metrics.engine_state,
-            on_in_flight=self.metrics.metric["a3b_num_requests_in_flight"].set,
+            on_in_flight=self.metrics.in_flight,
         )
         vocab_size = self.host.engine.model_config.get_vocab_size()
         self.limits = dataclasses.replace(request_limits(profile), vocab_size=vocab_size)
@@ -44,7 +46,7 @@ class TritonPythonModel:
                     self.host.submit_abort(string_input(tensors, "abort_request_id"))
                     sender.send(flags=FINAL)
                     continue
-                refusal = self.host.refusal(self.max_in_flight)
+                refusal = self.host.refusal(self.max_in_flight, draining=drain.requested())
                 if refusal:
                     self.metrics.metric["a3b_request_rejected_total"].increment(1)
                     sender.send(triton_io.unavailable_response(pb_utils, refusal), flags=FINAL)
@@ -77,6 +79,12 @@ class TritonPythonModel:
                         flags=FINAL)
             sent_final = True
             self.host.restart_if_dead()
+        except asyncio.CancelledError:
+            # finalize() gave up waiting: the server is stopping with this stream unfinished.
+            sender.send(triton_io.unavailable_response(pb_utils, "server shut down before the generation finished; "
+                                                                 "retry on another replica"), flags=FINAL)
+            sent_final = True
+            raise
         except Exception as exc:  # one request's failure must not touch the others
             sender.send(triton_io.error_response(pb_utils, f"generation failed: {exc}", invalid_argument=False),
                         flags=FINAL)
@@ -87,3 +95,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.host.shutdown()
+        self.metrics.release()
