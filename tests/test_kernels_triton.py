@@ -11,7 +11,7 @@ import torch  # noqa: E402
 
 from a3b_backend.quant.format import A3BConfig, quantize  # noqa: E402
 from kernels import reference  # noqa: E402
-from kernels.triton import a3b_matmul  # noqa: E402
+from kernels.triton import a3b_matmul, a3b_moe  # noqa: E402
 
 CONFIG = A3BConfig(1, 128, iterations=2)
 
@@ -39,3 +39,47 @@ def test_triton_kernel_refuses_tiles():
     x, q = case(1, 64, 128, seed=0)
     with pytest.raises(ValueError, match="reads 1xC blocks, not 64x64"):
         a3b_matmul.a3b_matmul(x, q, A3BConfig(64, 64))
+
+
+def experts(count: int, n: int, k: int, g: torch.Generator) -> tuple[list, dict[str, torch.Tensor]]:
+    """`count` quantized [n, k] expert weights, as a list and stacked as the MoE kernel reads them."""
+    weights = [quantize(torch.randn(n, k, generator=g) * 0.05, CONFIG) for _ in range(count)]
+    return weights, {kind: torch.stack([getattr(w, kind) for w in weights]) for kind in a3b_moe.KINDS}
+
+
+def test_moe_align_groups_rows_by_expert_in_padded_blocks():
+    ids = torch.tensor([[2, 0], [2, -1], [1, 2]])
+    sorted_rows, block_expert = a3b_moe.align(ids, num_experts=4, block_m=4)
+    blocks = sorted_rows.view(-1, 4).tolist()
+    assert block_expert.tolist()[:3] == [0, 1, 2] and set(block_expert.tolist()[3:]) == {-1}
+    assert blocks[0] == [1, 6, 6, 6] and blocks[1] == [4, 6, 6, 6] and blocks[2] == [0, 2, 5, 6]
+
+
+@pytest.mark.parametrize("tokens, top_k", [(1, 8), (5, 3), (19, 2)])
+def test_triton_grouped_moe_matches_reference(tokens, top_k):
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    num_experts, hidden, inter = 8, 256, 128
+    w13_list, w13 = experts(num_experts, 2 * inter, hidden, g)
+    w2_list, w2 = experts(num_experts, hidden, inter, g)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
+    ids[0, -1] = -1  # another rank's expert
+    weights = torch.rand(tokens, top_k, generator=g).softmax(-1)
+    expected = reference.a3b_moe(x, w13_list, w2_list, weights, ids, CONFIG)
+    got = a3b_moe.a3b_moe(x, w13, w2, weights, ids, CONFIG.block_cols)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
+
+
+def test_triton_grouped_matmul_writes_every_routed_row():
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    w_list, w = experts(4, 64, 256, g)
+    x = torch.randn(6, 256, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, 4, (6, 2), generator=g)
+    sorted_rows, block_expert = a3b_moe.align(ids, 4, 16)
+    got = torch.full((12, 64), float("nan"))
+    a3b_moe.grouped_matmul(x, w, sorted_rows, block_expert, 12, 2, True, CONFIG.block_cols, out=got)
+    expected = torch.cat([reference.a3b_matmul(x[r // 2:r // 2 + 1], w_list[ids.flatten()[r]], CONFIG)
+                          for r in range(12)])
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())

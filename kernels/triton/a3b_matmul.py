@@ -19,41 +19,60 @@ from a3b_backend.quant.format import A3BConfig, A3BWeight
 
 
 @triton.jit
-def _a3b_matmul_kernel(x_ptr, packed_ptr, lo_ptr, step_ptr, delta_ptr, lo_scale_ptr, step_scale_ptr, y_ptr,
-                       M, N, K, n_kblocks,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+def dequant_tile(packed_ptr, lo_ptr, step_ptr, delta_ptr, lo_scale, step_scale, cols, col_ok, kb, K, n_kblocks,
+                 GROUP: tl.constexpr):
+    """Block kb of rows `cols` as two float32 [BLOCK_N, GROUP/2] tiles: even and odd
+    columns. The pointers are one weight's (an expert's) tensors; lo_scale and
+    step_scale the rows' already loaded bf16 row scales."""
     half = tl.arange(0, GROUP // 2)
-    row_ok = rows < M
-    col_ok = cols < N
+    k_even = kb * GROUP + 2 * half
+    meta = cols * n_kblocks + kb
+    lo = tl.load(lo_ptr + meta, mask=col_ok, other=0).to(tl.float32) * lo_scale
+    step = tl.load(step_ptr + meta, mask=col_ok, other=0).to(tl.float32) * step_scale
+    d = step * tl.load(delta_ptr + meta, mask=col_ok, other=0).to(tl.float32) / 255.0
+    byte = tl.load(packed_ptr + cols[:, None] * ((K + 1) // 2) + (k_even // 2)[None, :],
+                   mask=col_ok[:, None] & (k_even < K)[None, :], other=0).to(tl.int32)
+    c_even = byte & 0xF
+    c_odd = byte >> 4
+    w_even = lo[:, None] + (c_even >> 1).to(tl.float32) * step[:, None] \
+        + ((c_even & 1) * 2 - 1).to(tl.float32) * d[:, None]
+    w_odd = lo[:, None] + (c_odd >> 1).to(tl.float32) * step[:, None] \
+        + ((c_odd & 1) * 2 - 1).to(tl.float32) * d[:, None]
+    return w_even, w_odd
+
+
+@triton.jit
+def a3b_accumulate(x_ptr, x_rows, row_ok, packed_ptr, lo_ptr, step_ptr, delta_ptr, lo_scale_ptr, step_scale_ptr,
+                   cols, col_ok, K, n_kblocks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   GROUP: tl.constexpr):
+    """float32 [BLOCK_M, BLOCK_N] = x[x_rows, :] @ W[cols, :]^T over all of K."""
+    half = tl.arange(0, GROUP // 2)
     lo_scale = tl.load(lo_scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     step_scale = tl.load(step_scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, n_kblocks):
+        w_even, w_odd = dequant_tile(packed_ptr, lo_ptr, step_ptr, delta_ptr, lo_scale, step_scale, cols, col_ok,
+                                     kb, K, n_kblocks, GROUP)
         k_even = kb * GROUP + 2 * half
-        k_ok = k_even < K
-        k_odd_ok = (k_even + 1) < K
-        meta = cols * n_kblocks + kb
-        lo = tl.load(lo_ptr + meta, mask=col_ok, other=0).to(tl.float32) * lo_scale
-        step = tl.load(step_ptr + meta, mask=col_ok, other=0).to(tl.float32) * step_scale
-        d = step * tl.load(delta_ptr + meta, mask=col_ok, other=0).to(tl.float32) / 255.0
-        byte = tl.load(packed_ptr + cols[:, None] * ((K + 1) // 2) + (k_even // 2)[None, :],
-                       mask=col_ok[:, None] & k_ok[None, :], other=0).to(tl.int32)
-        c_even = byte & 0xF
-        c_odd = byte >> 4
-        w_even = lo[:, None] + (c_even >> 1).to(tl.float32) * step[:, None] \
-            + ((c_even & 1) * 2 - 1).to(tl.float32) * d[:, None]
-        w_odd = lo[:, None] + (c_odd >> 1).to(tl.float32) * step[:, None] \
-            + ((c_odd & 1) * 2 - 1).to(tl.float32) * d[:, None]
-        x_even = tl.load(x_ptr + rows[:, None] * K + k_even[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                         other=0.0).to(tl.float32)
-        x_odd = tl.load(x_ptr + rows[:, None] * K + (k_even + 1)[None, :],
-                        mask=row_ok[:, None] & k_odd_ok[None, :], other=0.0).to(tl.float32)
+        x_even = tl.load(x_ptr + x_rows[:, None] * K + k_even[None, :],
+                         mask=row_ok[:, None] & (k_even < K)[None, :], other=0.0).to(tl.float32)
+        x_odd = tl.load(x_ptr + x_rows[:, None] * K + (k_even + 1)[None, :],
+                        mask=row_ok[:, None] & (k_even + 1 < K)[None, :], other=0.0).to(tl.float32)
         acc += tl.dot(x_even, tl.trans(w_even), input_precision="ieee")
         acc += tl.dot(x_odd, tl.trans(w_odd), input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _a3b_matmul_kernel(x_ptr, packed_ptr, lo_ptr, step_ptr, delta_ptr, lo_scale_ptr, step_scale_ptr, y_ptr,
+                       M, N, K, n_kblocks,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    acc = a3b_accumulate(x_ptr, rows, row_ok, packed_ptr, lo_ptr, step_ptr, delta_ptr, lo_scale_ptr,
+                         step_scale_ptr, cols, col_ok, K, n_kblocks, BLOCK_M, BLOCK_N, GROUP)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
