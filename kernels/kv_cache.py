@@ -1,12 +1,15 @@
-"""A3B KV cache, torch reference: each token's K or V vector per KV head is a
-row of the A3B format (docs/a3b_format.md) in 1 x block blocks, quantized as
-it is written and dequantized where attention reads it. Also the cache's bytes
-per token, and the report:
+"""A3B KV cache: the paged layout the kernels read and write, its torch
+reference (quantize-on-write, paged GQA decode attention), bytes per token, and
+the quality report:
 
     make kv-report       # perf/results/a3b_kv.md: bytes/token/layer, attention error, SmolLM2 perplexity
 
-Bytes per token per layer, A3B: head_dim/2 code bytes + 3 bytes (lo, step,
-delta) per block + 4 bytes of bf16 row scales, per KV head, for K and for V.
+Each token's K or V vector per KV head is cut into groups of GROUP channels;
+a group is one A3B block (docs/a3b_format.md: 16-entry table lo + k*step +/- d,
+4-bit codes) with its (lo, step, d) stored as fp16 beside the codes. Keys are
+first divided by a per-layer, per-channel scale from calibration (the query is
+multiplied by it in attention, so q.k is unchanged). Bytes per token per layer
+and KV head: head_dim/2 of codes + 6 per group, for K and for V.
 """
 from __future__ import annotations
 
@@ -17,9 +20,12 @@ from pathlib import Path
 
 import torch
 
-from a3b_backend.quant.format import A3BConfig, dequantize, quantize
+from a3b_backend.quant.format import assign, fit_blocks, pack_codes, unpack_codes
 
 ROOT = Path(__file__).resolve().parent.parent
+GROUP = 128  # channels of one token and head sharing a (lo, step, d) table
+META_BYTES = 6  # lo, step, d as fp16
+ITERATIONS = 2  # Lloyd refits after the uniform grid, as the kernels do
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,22 +44,114 @@ SMOLLM2 = AttentionShape("SmolLM2-135M", kv_heads=3, head_dim=64, attention_laye
 QWEN36 = AttentionShape("Qwen3.6-35B-A3B (assumed 2 KV heads)", kv_heads=2, head_dim=256, attention_layers=10)
 
 
-def bytes_per_token_layer(shape: AttentionShape, dtype: str, block: int = 128) -> float:
+def bytes_per_token_layer(shape: AttentionShape, dtype: str, group: int = GROUP) -> float:
     """K and V bytes one token adds to one attention layer's cache."""
     per_head = {"fp16": 2 * shape.head_dim, "fp8": shape.head_dim}.get(dtype)
     if dtype == "a3b":
-        blocks = -(-shape.head_dim // block)
-        per_head = shape.head_dim / 2 + 3 * blocks + 4
+        per_head = shape.head_dim / 2 + META_BYTES * -(-shape.head_dim // group)
     if per_head is None:
         raise ValueError(f"unknown KV dtype {dtype!r}: fp16, fp8 or a3b")
     return 2 * shape.kv_heads * per_head
 
 
-def a3b_roundtrip(x: torch.Tensor, block: int) -> torch.Tensor:
-    """x[..., head_dim] written to and read back from an A3B cache."""
-    rows = x.reshape(-1, x.shape[-1]).float()
-    config = A3BConfig(1, min(block, x.shape[-1]), iterations=2)
-    return dequantize(quantize(rows, config, name="kv"), config).reshape(x.shape).to(x.dtype)
+@dataclasses.dataclass
+class PagedA3B:
+    """One layer's K or V cache: codes uint8 [blocks, block_size, kv_heads, head_dim/2]
+    (low nibble = even channel), meta fp16 [blocks, block_size, kv_heads, groups, 3]
+    = (lo, step, d) per group of channels of one token and head."""
+    codes: torch.Tensor
+    meta: torch.Tensor
+
+    @classmethod
+    def empty(cls, blocks: int, block_size: int, kv_heads: int, head_dim: int, group: int = GROUP,
+              device: str | torch.device = "cpu") -> "PagedA3B":
+        if head_dim % group or group % 2:
+            raise ValueError(f"head_dim {head_dim} must be a multiple of the (even) group {group}")
+        return cls(torch.zeros(blocks, block_size, kv_heads, head_dim // 2, dtype=torch.uint8, device=device),
+                   torch.zeros(blocks, block_size, kv_heads, head_dim // group, 3, dtype=torch.float16,
+                               device=device))
+
+    @property
+    def group(self) -> int:
+        return 2 * self.codes.shape[-1] // self.meta.shape[-2]
+
+
+def quantize_rows(x: torch.Tensor, group: int, iterations: int = ITERATIONS) -> tuple[torch.Tensor, torch.Tensor]:
+    """x[n, head_dim] -> (codes uint8 [n, head_dim/2], meta fp16 [n, head_dim/group, 3]):
+    the format's fit (uniform 16-level grid, then Lloyd refits) per group,
+    codes assigned against the stored fp16 table."""
+    n, dim = x.shape
+    blocks = x.float().reshape(-1, group)
+    lo, step, d = fit_blocks(blocks, torch.ones_like(blocks), iterations)
+    meta = torch.cat([lo, step, d], 1).to(torch.float16)
+    lo, step, d = meta.float().unbind(1)
+    k, plus = assign(blocks, lo[:, None], step[:, None], d[:, None])
+    codes = ((k.to(torch.uint8) << 1) | plus.to(torch.uint8)).reshape(n, dim)
+    return pack_codes(codes), meta.reshape(n, dim // group, 3)
+
+
+def dequantize_rows(codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """float32 [..., head_dim] from codes [..., head_dim/2] and meta [..., groups, 3]."""
+    lead = codes.shape[:-1]
+    c = unpack_codes(codes.reshape(-1, codes.shape[-1])).long()
+    m = meta.reshape(-1, meta.shape[-2], 3).float()
+    group = c.shape[1] // m.shape[1]
+    lo, step, d = (m[..., i].repeat_interleave(group, 1) for i in range(3))
+    return (lo + (c >> 1) * step + torch.where(c & 1 == 1, d, -d)).reshape(*lead, -1)
+
+
+def write(cache: PagedA3B, x: torch.Tensor, slot_mapping: torch.Tensor, channel_scale: torch.Tensor | None = None,
+          iterations: int = ITERATIONS) -> None:
+    """Reference quantize-on-write: x[tokens, kv_heads, head_dim] into slots
+    (block * block_size + offset); keys are divided by their channel scale
+    [kv_heads, head_dim] first (attention multiplies the query by it)."""
+    if channel_scale is not None:
+        x = x.float() / channel_scale
+    tokens, heads, dim = x.shape
+    codes, meta = quantize_rows(x.reshape(-1, dim), cache.group, iterations)
+    block_size = cache.codes.shape[1]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    cache.codes[blocks, offsets] = codes.reshape(tokens, heads, -1)
+    cache.meta[blocks, offsets] = meta.reshape(tokens, heads, -1, 3)
+
+
+def paged_decode_attention(q: torch.Tensor, k: PagedA3B, v: PagedA3B, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, k_channel_scale: torch.Tensor | None = None,
+                           scale: float | None = None) -> torch.Tensor:
+    """Reference: float32 out[batch, heads, head_dim] of one new query token per
+    sequence over its cached tokens, GQA (heads = kv_heads * groups)."""
+    batch, heads, dim = q.shape
+    kv_heads = k.codes.shape[2]
+    scale = dim ** -0.5 if scale is None else scale
+    block_size = k.codes.shape[1]
+    out = torch.empty(batch, heads, dim, dtype=torch.float32, device=q.device)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        pages = block_tables[b, :-(-n // block_size)]
+        keys = dequantize_rows(k.codes[pages], k.meta[pages]).reshape(-1, kv_heads, dim)[:n]
+        values = dequantize_rows(v.codes[pages], v.meta[pages]).reshape(-1, kv_heads, dim)[:n]
+        if k_channel_scale is not None:
+            keys = keys * k_channel_scale
+        keys = keys.repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        values = values.repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        weights = torch.softmax((q[b].float()[:, None, :] @ keys.transpose(1, 2))[:, 0] * scale, -1)
+        out[b] = (weights[:, None, :] @ values)[:, 0]
+    return out
+
+
+def channel_scale(keys: torch.Tensor) -> torch.Tensor:
+    """Per KV head and channel RMS of calibration keys [tokens, kv_heads, head_dim]:
+    dividing by it evens out the outlier channels keys have (KIVI's
+    observation), so a per-token group's range is not set by a few channels."""
+    return keys.float().pow(2).mean(0).sqrt().clamp_min(1e-6)
+
+
+def a3b_roundtrip(x: torch.Tensor, group: int = GROUP, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x[..., kv_heads, head_dim] written to and read back from an A3B cache."""
+    y = x.float() if scale is None else x.float() / scale
+    codes, meta = quantize_rows(y.reshape(-1, x.shape[-1]), min(group, x.shape[-1]))
+    y = dequantize_rows(codes, meta).reshape(x.shape)
+    return (y if scale is None else y * scale).to(x.dtype)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -63,46 +161,78 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
 
 
-def attention_error(shape: AttentionShape, tokens: int, seed: int = 0) -> float:
-    """Relative L2 error of the attention output, A3B K/V vs fp16 K/V, on
-    Gaussian q/k/v with a few large key channels (as real keys have)."""
-    g = torch.Generator().manual_seed(seed)
-    heads = shape.kv_heads * 4
-    q = torch.randn(heads, tokens, shape.head_dim, generator=g)
+def gaussian_qkv(shape: AttentionShape, tokens: int, g: torch.Generator):
+    """q[heads, T, d], k/v[kv_heads, T, d]: Gaussian, with a few large key
+    channels (as real keys have)."""
+    q = torch.randn(shape.kv_heads * 4, tokens, shape.head_dim, generator=g)
     k = torch.randn(shape.kv_heads, tokens, shape.head_dim, generator=g)
     k[..., :4] *= 8
-    v = torch.randn(shape.kv_heads, tokens, shape.head_dim, generator=g)
+    return q, k, torch.randn(shape.kv_heads, tokens, shape.head_dim, generator=g)
+
+
+def attention_error(shape: AttentionShape, tokens: int, scaled: bool, seed: int = 0) -> float:
+    """Relative L2 error of the attention output, A3B K/V vs fp16 K/V; with
+    `scaled`, key channel scales come from separate calibration keys."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = gaussian_qkv(shape, tokens, g)
+    scale = channel_scale(gaussian_qkv(shape, 512, g)[1].transpose(0, 1)) if scaled else None
     ref = attention(q, k.half().float(), v.half().float())
-    got = attention(q, a3b_roundtrip(k, 128), a3b_roundtrip(v, 128))
+    got = attention(q, a3b_roundtrip(k.transpose(0, 1), scale=scale).transpose(0, 1),
+                    a3b_roundtrip(v.transpose(0, 1)).transpose(0, 1))
     return ((got - ref).norm() / ref.norm()).item()
 
 
-def kv_quantized_perplexity(model_dir: Path, eval_tokens: int) -> tuple[float, float]:
+def kv_quantized_perplexity(model_dir: Path, eval_tokens: int, calib_tokens: int = 1024) -> dict[str, float]:
     """SmolLM2 perplexity with fp16 K/V and with K/V through the A3B cache
-    (k_proj/v_proj outputs quantized per token and head, as a cache stores them)."""
+    (k_proj/v_proj outputs quantized per token and head, as a cache stores
+    them), without and with key channel scales calibrated on text after the
+    evaluation span."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from a3b_backend.quant.quality import eval_text, perplexity
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor(tokenizer.encode(eval_text())[:eval_tokens])
+    all_ids = tokenizer.encode(eval_text())
+    ids, calib = torch.tensor(all_ids[:eval_tokens]), torch.tensor(all_ids[eval_tokens:eval_tokens + calib_tokens])
     head_dim = model.config.hidden_size // model.config.num_attention_heads
+    layers = model.model.layers
 
-    def fp16(_module, _inputs, out):
-        return out.half().float()
+    def heads(out):
+        return out.reshape(*out.shape[:-1], -1, head_dim)
 
-    def a3b(_module, _inputs, out):
-        return a3b_roundtrip(out.reshape(*out.shape[:-1], -1, head_dim), 128).reshape(out.shape)
+    def run(hook_for) -> float:
+        handles = [getattr(layer.self_attn, p).register_forward_hook(hook_for(i, p))
+                   for i, layer in enumerate(layers) for p in ("k_proj", "v_proj")]
+        try:
+            return perplexity(model, ids)
+        finally:
+            for h in handles:
+                h.remove()
 
-    results = []
-    for hook in (fp16, a3b):
-        handles = [getattr(layer.self_attn, p).register_forward_hook(hook)
-                   for layer in model.model.layers for p in ("k_proj", "v_proj")]
-        results.append(perplexity(model, ids))
-        for h in handles:
-            h.remove()
-    return results[0], results[1]
+    keys: dict[int, torch.Tensor] = {}
+
+    def record(i, p):
+        def hook(_m, _inp, out):
+            if p == "k_proj":
+                keys[i] = heads(out).reshape(-1, *heads(out).shape[-2:])
+        return hook
+
+    handles = [layer.self_attn.k_proj.register_forward_hook(record(i, "k_proj")) for i, layer in enumerate(layers)]
+    with torch.no_grad():
+        model(calib[None])
+    for h in handles:
+        h.remove()
+    scales = {i: channel_scale(k) for i, k in keys.items()}
+
+    def fp16(_i, _p):
+        return lambda _m, _inp, out: out.half().float()
+
+    def a3b(i, p, scaled=False):
+        s = scales[i] if scaled and p == "k_proj" else None
+        return lambda _m, _inp, out: a3b_roundtrip(heads(out), scale=s).reshape(out.shape)
+
+    return {"fp16": run(fp16), "a3b": run(a3b), "a3b + key channel scales": run(lambda i, p: a3b(i, p, True))}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,16 +252,19 @@ def main(argv: list[str] | None = None) -> None:
             b = bytes_per_token_layer(shape, dtype)
             total = b * 131072 * shape.attention_layers / 2**30
             lines.append(f"| {shape.name} | {dtype} | {b:.0f} | {b / fp16:.3f} | {total:.2f} GiB |")
-    errors = {t: attention_error(QWEN36, t) for t in (512, 2048)}
-    lines += ["", "Attention output, A3B K/V vs fp16 K/V (Qwen3.6 head shape, Gaussian q/k/v, 4 key channels x8): "
-              + ", ".join(f"{t} tokens: relative L2 error {e:.4f}" for t, e in errors.items()) + "."]
+    lines += ["", "Attention output vs fp16 K/V, relative L2 error (Qwen3.6 head shape, Gaussian q/k/v, "
+              "4 key channels x8; channel scales from 512 separate calibration tokens):", "",
+              "| tokens | A3B K/V | A3B K/V + key channel scales |", "|---|---|---|"]
+    for t in (512, 2048):
+        lines.append(f"| {t} | {attention_error(QWEN36, t, False):.4f} | {attention_error(QWEN36, t, True):.4f} |")
     print("\n".join(lines), flush=True)
-    ppl_fp16, ppl_a3b = kv_quantized_perplexity(args.model, args.eval_tokens)
+    ppl = kv_quantized_perplexity(args.model, args.eval_tokens)
     lines += ["", f"SmolLM2-135M-Instruct perplexity on {args.eval_tokens} tokens of CPython's language reference "
-              f"(weights unquantized): fp16 K/V {ppl_fp16:.3f}, A3B K/V {ppl_a3b:.3f} "
-              f"({(ppl_a3b / ppl_fp16 - 1) * 100:+.2f}%)."]
+              "(weights unquantized; channel scales from the next 1024 tokens):", "",
+              "| K/V | perplexity | vs fp16 |", "|---|---|---|"]
+    lines += [f"| {name} | {value:.3f} | {(value / ppl['fp16'] - 1) * 100:+.2f}% |" for name, value in ppl.items()]
     args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[-1:]))
+    print("\n".join(lines[-5:]))
     print(f"wrote {args.out}")
 
 
