@@ -8,8 +8,9 @@ The packed codes and the stored metadata are loaded as they are, sharded by
 vLLM's tensor-parallel loaders (merged qkv / gate_up shards land at their
 offsets), and stay packed while serving. Execution by device:
   CPU   the C++ kernel (a3b_backend/kernels/cpu.py), strategy from $A3B_CPU_LINEAR;
-  other a torch reference path (dequantize, then matmul) until the GPU kernels
-        are wired in.
+  CUDA  the Triton-language kernels (kernels/triton): a3b_matmul for linear
+        layers, the grouped a3b_moe for routed experts; 1 x C blocks only
+        (other block shapes take a torch dequantize + matmul path).
 $A3B_CPU_LINEAR=expand dequantizes every weight to the model dtype at load
 instead: an explicit option for comparison, never the default.
 """
@@ -209,7 +210,9 @@ class A3BLinearMethod(LinearMethodBase):
         x2 = x.reshape(-1, x.shape[-1])
         if x.device.type == "cpu":
             y = cpu_kernels.linear(x2, layer.a3b, layer.a3b_in_features, self.config.block, cpu_strategy())
-        else:  # torch reference path, not a kernel: see issue "Kernels"
+        elif self.config.block[0] == 1:
+            y = gpu_linear(x2, layer.a3b, layer.a3b_in_features, self.config.format)
+        else:
             y = x2.float() @ self._reference_weight(layer).T
         y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
         return y if bias is None else y + bias
@@ -219,6 +222,23 @@ class A3BLinearMethod(LinearMethodBase):
         out = t["packed"].shape[0]
         q = A3BWeight(**t, shape=torch.tensor([out, layer.a3b_in_features]))
         return dequantize(q, self.config.format)
+
+
+def gpu_linear(x: torch.Tensor, tensors: dict[str, torch.Tensor], in_features: int,
+               config: A3BConfig) -> torch.Tensor:
+    """float32 x @ W^T by the Triton A3B kernel, W's codes read in place."""
+    from kernels.triton.a3b_matmul import a3b_matmul
+
+    q = A3BWeight(**tensors, shape=torch.tensor([tensors["packed"].shape[0], in_features]))
+    return a3b_matmul(x, q, config, block_m=16 if x.shape[0] <= 16 else 64, block_n=64)
+
+
+def gpu_moe(x: torch.Tensor, w13: dict[str, torch.Tensor], w2: dict[str, torch.Tensor], topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor, group: int) -> torch.Tensor:
+    """float32 routed-expert output by the grouped Triton A3B MoE kernel (ids < 0: another rank's)."""
+    from kernels.triton.a3b_moe import a3b_moe
+
+    return a3b_moe(x, w13, w2, topk_weights, topk_ids, group)
 
 
 def _expected_shapes(out: int, inp: int, block: tuple[int, int]) -> dict[str, tuple[int, ...]]:
@@ -329,6 +349,10 @@ class A3BMoEMethod(FusedMoEMethodBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts=None, shared_experts_input=None) -> torch.Tensor:
         ids = topk_ids if layer.expert_map is None else layer.expert_map[topk_ids.long()]
+        if x.device.type != "cpu" and self.config.block[0] == 1:
+            stacked = {stem: {k: getattr(layer, f"{stem}_weight_{k}") for k in (*META, *SCALES, "packed")}
+                       for stem in ("w13", "w2")}
+            return gpu_moe(x, stacked["w13"], stacked["w2"], topk_weights, ids, self.config.block[1]).to(x.dtype)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         for expert in ids.unique().tolist():
             if expert < 0:  # another rank's expert

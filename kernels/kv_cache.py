@@ -139,6 +139,15 @@ def paged_decode_attention(q: torch.Tensor, k: PagedA3B, v: PagedA3B, block_tabl
     return out
 
 
+def merge_splits(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """Attention out [..., heads_per_kv, D] from split-K partials: running max m and
+    sum l [..., splits, heads_per_kv], unnormalized acc [..., splits, heads_per_kv, D]
+    (a split that saw no token has m = -inf, l = 0)."""
+    top = m.amax(-2, keepdim=True)
+    w = torch.exp(m - top).nan_to_num(0.0)
+    return (acc * w[..., None]).sum(-3) / (l * w).sum(-2)[..., None]
+
+
 def channel_scale(keys: torch.Tensor) -> torch.Tensor:
     """Per KV head and channel RMS of calibration keys [tokens, kv_heads, head_dim]:
     dividing by it evens out the outlier channels keys have (KIVI's

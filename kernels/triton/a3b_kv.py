@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_cache import ITERATIONS, PagedA3B
+from kernels.kv_cache import ITERATIONS, PagedA3B, merge_splits
 
 
 @triton.jit
@@ -214,8 +214,4 @@ def paged_decode_attention(q: torch.Tensor, k: PagedA3B, v: PagedA3B, block_tabl
         q.contiguous(), k.codes, k.meta, v.codes, v.meta, scale_t, block_tables, seq_lens, m, l, acc, heads,
         kv_heads, max_pages, per_split, dim ** -0.5 if scale is None else scale, QG=qg, QG_P=qg_p,
         BLOCK_SIZE=block_size, D=dim, GROUP=k.group, HAS_SCALE=k_channel_scale is not None)
-    # merge the splits' online-softmax states (an empty split has m = -inf, l = 0)
-    top = m.amax(2, keepdim=True)
-    w = torch.exp(m - top).nan_to_num(0.0)
-    out = (acc * w[..., None]).sum(2) / (l * w).sum(2)[..., None]
-    return out[:, :, :qg].reshape(batch, heads, dim)
+    return merge_splits(m, l, acc)[:, :, :qg].reshape(batch, heads, dim)
