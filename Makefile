@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL_DIR ?= models/smollm2-135m-instruct
 
-.PHONY: setup model serve test test-unit render perf-tools need-venv perf perf-inputs genai-perf locust bench-overload bench-overhead bench-prefix-cache bench-cpu-modes bench-a3b kv-report quality clean
+.PHONY: setup model serve test test-unit render perf-tools need-venv perf perf-inputs genai-perf locust bench-overload bench-overhead bench-prefix-cache bench-cpu-modes bench-a3b bench-gpu kv-report quality clean
 
 setup:
 	bash scripts/setup.sh
@@ -79,6 +79,10 @@ bench-cpu-modes: setup model
 # bf16 vs A3B (each CPU strategy) side by side: speed, memory, greedy agreement
 bench-a3b: setup model
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) perf/a3b_vs_bf16.py
+
+# A3B kernels on a CUDA GPU: checks against the references, then timings (perf/results/gpu/)
+bench-gpu:
+	$(PY) perf/gpu_kernels.py
 
 # A3B KV cache (reference path): bytes per token, attention error, SmolLM2 perplexity change
 kv-report: setup model

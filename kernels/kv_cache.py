@@ -6,17 +6,23 @@ the quality report:
 
 Each token's K or V vector per KV head is cut into groups of GROUP channels;
 a group is one A3B block (docs/a3b_format.md: 16-entry table lo + k*step +/- d,
-4-bit codes) with its (lo, step, d) stored as fp16 beside the codes. Keys are
-first divided by a per-layer, per-channel scale from calibration (the query is
-multiplied by it in attention, so q.k is unchanged). Bytes per token per layer
-and KV head: head_dim/2 of codes + 6 per group, for K and for V.
+4-bit codes) with its (lo, step, d) stored as fp16 beside the codes. Before it
+is quantized, every K and V vector is rotated by the orthonormal Hadamard
+matrix H of its head_dim (as QuaRot does): a few outlier channels, which real
+keys have, are spread over all channels instead of setting a whole group's
+range. Attention rotates the query by H (q.k = qH.kH) and the output back by H
+(H is its own inverse), so nothing else changes and no calibration is needed.
+Bytes per token per layer and KV head: head_dim/2 of codes + 6 per group, for
+K and for V.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -100,15 +106,26 @@ def dequantize_rows(codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     return (lo + (c >> 1) * step + torch.where(c & 1 == 1, d, -d)).reshape(*lead, -1)
 
 
-def write(cache: PagedA3B, x: torch.Tensor, slot_mapping: torch.Tensor, channel_scale: torch.Tensor | None = None,
-          iterations: int = ITERATIONS) -> None:
-    """Reference quantize-on-write: x[tokens, kv_heads, head_dim] into slots
-    (block * block_size + offset); keys are divided by their channel scale
-    [kv_heads, head_dim] first (attention multiplies the query by it)."""
-    if channel_scale is not None:
-        x = x.float() / channel_scale
+@functools.lru_cache(maxsize=None)
+def _hadamard(dim: int, device: str) -> torch.Tensor:
+    if dim < 1 or dim & (dim - 1):
+        raise ValueError(f"head_dim {dim} is not a power of two; the A3B KV cache rotates by a {dim}x{dim} Hadamard")
+    h = torch.ones(1, 1)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return (h / dim ** 0.5).to(device)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """float32 x @ H over the last dimension; applied twice it is the identity."""
+    return x.float() @ _hadamard(x.shape[-1], str(x.device))
+
+
+def write(cache: PagedA3B, x: torch.Tensor, slot_mapping: torch.Tensor, iterations: int = ITERATIONS) -> None:
+    """Reference quantize-on-write: x[tokens, kv_heads, head_dim] (K or V),
+    rotated, into slots (block * block_size + offset)."""
     tokens, heads, dim = x.shape
-    codes, meta = quantize_rows(x.reshape(-1, dim), cache.group, iterations)
+    codes, meta = quantize_rows(rotate(x).reshape(-1, dim), cache.group, iterations)
     block_size = cache.codes.shape[1]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     cache.codes[blocks, offsets] = codes.reshape(tokens, heads, -1)
@@ -116,27 +133,25 @@ def write(cache: PagedA3B, x: torch.Tensor, slot_mapping: torch.Tensor, channel_
 
 
 def paged_decode_attention(q: torch.Tensor, k: PagedA3B, v: PagedA3B, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, k_channel_scale: torch.Tensor | None = None,
-                           scale: float | None = None) -> torch.Tensor:
+                           seq_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Reference: float32 out[batch, heads, head_dim] of one new query token per
     sequence over its cached tokens, GQA (heads = kv_heads * groups)."""
     batch, heads, dim = q.shape
     kv_heads = k.codes.shape[2]
     scale = dim ** -0.5 if scale is None else scale
     block_size = k.codes.shape[1]
+    q = rotate(q)
     out = torch.empty(batch, heads, dim, dtype=torch.float32, device=q.device)
     for b in range(batch):
         n = int(seq_lens[b])
         pages = block_tables[b, :-(-n // block_size)]
         keys = dequantize_rows(k.codes[pages], k.meta[pages]).reshape(-1, kv_heads, dim)[:n]
         values = dequantize_rows(v.codes[pages], v.meta[pages]).reshape(-1, kv_heads, dim)[:n]
-        if k_channel_scale is not None:
-            keys = keys * k_channel_scale
         keys = keys.repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
         values = values.repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
-        weights = torch.softmax((q[b].float()[:, None, :] @ keys.transpose(1, 2))[:, 0] * scale, -1)
+        weights = torch.softmax((q[b][:, None, :] @ keys.transpose(1, 2))[:, 0] * scale, -1)
         out[b] = (weights[:, None, :] @ values)[:, 0]
-    return out
+    return rotate(out)
 
 
 def merge_splits(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
@@ -148,19 +163,13 @@ def merge_splits(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.T
     return (acc * w[..., None]).sum(-3) / (l * w).sum(-2)[..., None]
 
 
-def channel_scale(keys: torch.Tensor) -> torch.Tensor:
-    """Per KV head and channel RMS of calibration keys [tokens, kv_heads, head_dim]:
-    dividing by it evens out the outlier channels keys have (KIVI's
-    observation), so a per-token group's range is not set by a few channels."""
-    return keys.float().pow(2).mean(0).sqrt().clamp_min(1e-6)
-
-
-def a3b_roundtrip(x: torch.Tensor, group: int = GROUP, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x[..., kv_heads, head_dim] written to and read back from an A3B cache."""
-    y = x.float() if scale is None else x.float() / scale
+def a3b_roundtrip(x: torch.Tensor, group: int = GROUP, rotated: bool = True) -> torch.Tensor:
+    """x[..., head_dim] written to and read back from an A3B cache (without
+    `rotated`: the plain per-group format, for comparison)."""
+    y = rotate(x) if rotated else x.float()
     codes, meta = quantize_rows(y.reshape(-1, x.shape[-1]), min(group, x.shape[-1]))
     y = dequantize_rows(codes, meta).reshape(x.shape)
-    return (y if scale is None else y * scale).to(x.dtype)
+    return (rotate(y) if rotated else y).to(x.dtype)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -179,69 +188,40 @@ def gaussian_qkv(shape: AttentionShape, tokens: int, g: torch.Generator):
     return q, k, torch.randn(shape.kv_heads, tokens, shape.head_dim, generator=g)
 
 
-def attention_error(shape: AttentionShape, tokens: int, scaled: bool, seed: int = 0) -> float:
-    """Relative L2 error of the attention output, A3B K/V vs fp16 K/V; with
-    `scaled`, key channel scales come from separate calibration keys."""
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = gaussian_qkv(shape, tokens, g)
-    scale = channel_scale(gaussian_qkv(shape, 512, g)[1].transpose(0, 1)) if scaled else None
+def attention_error(shape: AttentionShape, tokens: int, rotated: bool, seed: int = 0) -> float:
+    """Relative L2 error of the attention output, A3B K/V vs fp16 K/V."""
+    q, k, v = gaussian_qkv(shape, tokens, torch.Generator().manual_seed(seed))
     ref = attention(q, k.half().float(), v.half().float())
-    got = attention(q, a3b_roundtrip(k.transpose(0, 1), scale=scale).transpose(0, 1),
-                    a3b_roundtrip(v.transpose(0, 1)).transpose(0, 1))
+    got = attention(q, a3b_roundtrip(k, rotated=rotated), a3b_roundtrip(v, rotated=rotated))
     return ((got - ref).norm() / ref.norm()).item()
 
 
-def kv_quantized_perplexity(model_dir: Path, eval_tokens: int, calib_tokens: int = 1024) -> dict[str, float]:
-    """SmolLM2 perplexity with fp16 K/V and with K/V through the A3B cache
-    (k_proj/v_proj outputs quantized per token and head, as a cache stores
-    them), without and with key channel scales calibrated on text after the
-    evaluation span."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def kv_quantized_perplexity(model_dir: Path, eval_tokens: int) -> dict[str, float]:
+    """SmolLM2 perplexity with fp16 K/V and with K/V through the A3B cache,
+    plain and rotated. K/V are quantized where attention reads them, after
+    RoPE, as a cache holds them (a transformers attention function wrapping SDPA)."""
+    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from a3b_backend.quant.quality import eval_text, perplexity
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    all_ids = tokenizer.encode(eval_text())
-    ids, calib = torch.tensor(all_ids[:eval_tokens]), torch.tensor(all_ids[eval_tokens:eval_tokens + calib_tokens])
-    head_dim = model.config.hidden_size // model.config.num_attention_heads
-    layers = model.model.layers
+    ids = torch.tensor(tokenizer.encode(eval_text())[:eval_tokens])
+    cache: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
 
-    def heads(out):
-        return out.reshape(*out.shape[:-1], -1, head_dim)
+    def a3b_kv_attention(module, query, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, query, cache["kv"](key), cache["kv"](value), attention_mask, **kwargs)
 
-    def run(hook_for) -> float:
-        handles = [getattr(layer.self_attn, p).register_forward_hook(hook_for(i, p))
-                   for i, layer in enumerate(layers) for p in ("k_proj", "v_proj")]
-        try:
-            return perplexity(model, ids)
-        finally:
-            for h in handles:
-                h.remove()
-
-    keys: dict[int, torch.Tensor] = {}
-
-    def record(i, p):
-        def hook(_m, _inp, out):
-            if p == "k_proj":
-                keys[i] = heads(out).reshape(-1, *heads(out).shape[-2:])
-        return hook
-
-    handles = [layer.self_attn.k_proj.register_forward_hook(record(i, "k_proj")) for i, layer in enumerate(layers)]
-    with torch.no_grad():
-        model(calib[None])
-    for h in handles:
-        h.remove()
-    scales = {i: channel_scale(k) for i, k in keys.items()}
-
-    def fp16(_i, _p):
-        return lambda _m, _inp, out: out.half().float()
-
-    def a3b(i, p, scaled=False):
-        s = scales[i] if scaled and p == "k_proj" else None
-        return lambda _m, _inp, out: a3b_roundtrip(heads(out), scale=s).reshape(out.shape)
-
-    return {"fp16": run(fp16), "a3b": run(a3b), "a3b + key channel scales": run(lambda i, p: a3b(i, p, True))}
+    AttentionInterface.register("a3b_kv_reference", a3b_kv_attention)
+    model.set_attn_implementation("a3b_kv_reference")
+    variants = {"fp16": lambda x: x.half().float(), "a3b": lambda x: a3b_roundtrip(x, rotated=False),
+                "a3b, Hadamard-rotated (the format)": a3b_roundtrip}
+    results = {}
+    for name, roundtrip in variants.items():
+        cache["kv"] = roundtrip
+        results[name] = perplexity(model, ids)
+    return results
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -262,14 +242,14 @@ def main(argv: list[str] | None = None) -> None:
             total = b * 131072 * shape.attention_layers / 2**30
             lines.append(f"| {shape.name} | {dtype} | {b:.0f} | {b / fp16:.3f} | {total:.2f} GiB |")
     lines += ["", "Attention output vs fp16 K/V, relative L2 error (Qwen3.6 head shape, Gaussian q/k/v, "
-              "4 key channels x8; channel scales from 512 separate calibration tokens):", "",
-              "| tokens | A3B K/V | A3B K/V + key channel scales |", "|---|---|---|"]
+              "4 key channels x8):", "", "| tokens | A3B K/V, plain | A3B K/V, Hadamard-rotated (the format) |",
+              "|---|---|---|"]
     for t in (512, 2048):
         lines.append(f"| {t} | {attention_error(QWEN36, t, False):.4f} | {attention_error(QWEN36, t, True):.4f} |")
     print("\n".join(lines), flush=True)
     ppl = kv_quantized_perplexity(args.model, args.eval_tokens)
     lines += ["", f"SmolLM2-135M-Instruct perplexity on {args.eval_tokens} tokens of CPython's language reference "
-              "(weights unquantized; channel scales from the next 1024 tokens):", "",
+              "(weights unquantized; K/V quantized after RoPE, as cached):", "",
               "| K/V | perplexity | vs fp16 |", "|---|---|---|"]
     lines += [f"| {name} | {value:.3f} | {(value / ppl['fp16'] - 1) * 100:+.2f}% |" for name, value in ppl.items()]
     args.out.write_text("\n".join(lines) + "\n")

@@ -39,8 +39,8 @@ def test_cuda_gemv_matches_reference(m):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and torch with CUDA")
-@pytest.mark.parametrize("heads, kv_heads, dim, scaled", [(16, 2, 256, True), (4, 4, 64, False), (8, 1, 128, True)])
-def test_cuda_paged_decode_attention_matches_reference(heads, kv_heads, dim, scaled):
+@pytest.mark.parametrize("heads, kv_heads, dim", [(16, 2, 256), (4, 4, 64), (8, 1, 128)])
+def test_cuda_paged_decode_attention_matches_reference(heads, kv_heads, dim):
     from kernels import cuda, kv_cache
 
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
@@ -49,17 +49,15 @@ def test_cuda_paged_decode_attention_matches_reference(heads, kv_heads, dim, sca
     k = kv_cache.PagedA3B.empty(int(pages.sum()), block_size, kv_heads, dim, min(128, dim))
     v = kv_cache.PagedA3B.empty(int(pages.sum()), block_size, kv_heads, dim, min(128, dim))
     tables = torch.zeros(len(lens), int(pages.max()), dtype=torch.int32)
-    scale = kv_cache.channel_scale(torch.randn(64, kv_heads, dim, generator=g)) if scaled else None
     start = 0
     for b, n in enumerate(lens.tolist()):
         tables[b, :pages[b]] = torch.arange(start, start + pages[b])
         start += int(pages[b])
         slots = (tables[b, :pages[b], None] * block_size + torch.arange(block_size)).flatten()[:n]
-        kv_cache.write(k, torch.randn(n, kv_heads, dim, generator=g), slots, scale)
+        kv_cache.write(k, torch.randn(n, kv_heads, dim, generator=g), slots)
         kv_cache.write(v, torch.randn(n, kv_heads, dim, generator=g), slots)
     q = torch.randn(len(lens), heads, dim, generator=g).to(torch.bfloat16)
-    expected = kv_cache.paged_decode_attention(q, k, v, tables, lens, scale)
+    expected = kv_cache.paged_decode_attention(q, k, v, tables, lens)
     on_gpu = [kv_cache.PagedA3B(c.codes.cuda(), c.meta.cuda()) for c in (k, v)]
-    got = cuda.paged_decode_attention(q.cuda(), *on_gpu, tables.cuda(), lens.int().cuda(),
-                                      None if scale is None else scale.cuda(), pages_per_split=7)
+    got = cuda.paged_decode_attention(q.cuda(), *on_gpu, tables.cuda(), lens.int().cuda(), pages_per_split=7)
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-3, atol=1e-3)

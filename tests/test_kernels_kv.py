@@ -37,14 +37,16 @@ def test_a3b_kv_round_trip_keeps_shape_and_bounds_the_error():
     assert ((y - x).norm() / x.norm()).item() < 0.12
 
 
-def test_key_channel_scales_shrink_the_error_of_outlier_channels():
+def test_hadamard_rotation_is_orthonormal_and_shrinks_the_error_of_outlier_channels():
     g = generator()
-    keys = torch.randn(512, 2, 256, generator=g)
+    keys = torch.randn(256, 2, 256, generator=g)
     keys[..., :4] *= 8
-    scale = kv_cache.channel_scale(keys[:256])
-    plain = (kv_cache.a3b_roundtrip(keys[256:]) - keys[256:]).norm()
-    scaled = (kv_cache.a3b_roundtrip(keys[256:], scale=scale) - keys[256:]).norm()
-    assert scaled < 0.8 * plain
+    torch.testing.assert_close(kv_cache.rotate(kv_cache.rotate(keys)), keys, rtol=1e-5, atol=1e-5)
+    plain = (kv_cache.a3b_roundtrip(keys, rotated=False) - keys).norm()
+    rotated = (kv_cache.a3b_roundtrip(keys) - keys).norm()
+    assert rotated < 0.8 * plain
+    with pytest.raises(ValueError, match="head_dim 96 is not a power of two"):
+        kv_cache.rotate(torch.zeros(2, 96))
 
 
 def poisoned_cache(blocks: int, block_size: int, heads: int, dim: int, group: int) -> kv_cache.PagedA3B:
@@ -54,20 +56,19 @@ def poisoned_cache(blocks: int, block_size: int, heads: int, dim: int, group: in
     return cache
 
 
-@pytest.mark.parametrize("dim, group, scaled", [(64, 64, False), (256, 128, True), (128, 32, True)])
-def test_triton_write_matches_the_reference_quantizer(dim, group, scaled):
+@pytest.mark.parametrize("dim, group", [(64, 64), (256, 128), (128, 32)])
+def test_triton_write_matches_the_reference_quantizer(dim, group):
     g = generator()
     tokens, heads, block_size = 11, 2, 16
     x = (torch.randn(tokens, heads, dim, generator=g) * 3).to(torch.bfloat16)
     x[..., :3] *= 6
-    scale = kv_cache.channel_scale(torch.randn(64, heads, dim, generator=g) * 2) if scaled else None
     slots = torch.randperm(3 * block_size, generator=g)[:tokens]
     slots[4] = -1  # a padding token
     expected = poisoned_cache(3, block_size, heads, dim, group)
     got = poisoned_cache(3, block_size, heads, dim, group)
     keep = slots >= 0
-    kv_cache.write(expected, x[keep], slots[keep], scale)
-    a3b_kv.write(got, x, slots, scale)
+    kv_cache.write(expected, x[keep], slots[keep])
+    a3b_kv.write(got, x, slots)
     written = torch.zeros(3 * block_size, dtype=torch.bool)
     written[slots[keep]] = True
     written = written.view(3, block_size)
@@ -76,7 +77,7 @@ def test_triton_write_matches_the_reference_quantizer(dim, group, scaled):
     torch.testing.assert_close(got.meta[written].float(), expected.meta[written].float(), rtol=2e-3, atol=1e-4)
     # float32 sums in another order may move a value that sits on a decision boundary
     assert (got.codes[written] == expected.codes[written]).float().mean() > 0.99
-    target = x[keep].float() if scale is None else x[keep].float() / scale
+    target = kv_cache.rotate(x[keep])
     rows_got = kv_cache.dequantize_rows(got.codes.view(-1, heads, dim // 2)[slots[keep]],
                                         got.meta.view(-1, heads, dim // group, 3)[slots[keep]])
     rows_ref = kv_cache.dequantize_rows(expected.codes.view(-1, heads, dim // 2)[slots[keep]],
@@ -84,9 +85,9 @@ def test_triton_write_matches_the_reference_quantizer(dim, group, scaled):
     assert (rows_got - target).norm() <= 1.01 * (rows_ref - target).norm()
 
 
-@pytest.mark.parametrize("heads, kv_heads, dim, group, splits, scaled",
-                         [(8, 2, 64, 64, 1, False), (4, 1, 128, 64, 3, True), (6, 3, 32, 32, None, False)])
-def test_triton_paged_decode_attention_matches_the_reference(heads, kv_heads, dim, group, splits, scaled):
+@pytest.mark.parametrize("heads, kv_heads, dim, group, splits",
+                         [(8, 2, 64, 64, 1), (4, 1, 128, 64, 3), (6, 3, 32, 32, None)])
+def test_triton_paged_decode_attention_matches_the_reference(heads, kv_heads, dim, group, splits):
     g = generator()
     block_size, blocks = 16, 24
     lens = torch.tensor([1, 37, 80, 16])
@@ -96,16 +97,15 @@ def test_triton_paged_decode_attention_matches_the_reference(heads, kv_heads, di
     max_pages = 6
     tables = torch.zeros(len(lens), max_pages, dtype=torch.int32)
     used = 0
-    scale = kv_cache.channel_scale(torch.randn(32, kv_heads, dim, generator=g)) if scaled else None
     for b, n in enumerate(lens.tolist()):
         count = -(-n // block_size)
         tables[b, :count] = pages[used:used + count]
         used += count
         slots = (tables[b, :count, None] * block_size + torch.arange(block_size)).flatten()[:n]
-        kv_cache.write(cache_k, torch.randn(n, kv_heads, dim, generator=g), slots, scale)
+        kv_cache.write(cache_k, torch.randn(n, kv_heads, dim, generator=g), slots)
         kv_cache.write(cache_v, torch.randn(n, kv_heads, dim, generator=g), slots)
     q = torch.randn(len(lens), heads, dim, generator=g).to(torch.bfloat16)
-    expected = kv_cache.paged_decode_attention(q, cache_k, cache_v, tables, lens, scale)
-    got = a3b_kv.paged_decode_attention(q, cache_k, cache_v, tables, lens, scale, splits=splits)
+    expected = kv_cache.paged_decode_attention(q, cache_k, cache_v, tables, lens)
+    got = a3b_kv.paged_decode_attention(q, cache_k, cache_v, tables, lens, splits=splits)
     assert not got.isnan().any()
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -12,6 +12,8 @@ from a3b_backend import contract, perf_inputs, perf_report
 from a3b_backend.perf_inputs import Corpus, InputError
 from a3b_backend.profiles import PROFILES
 
+ROOT = Path(__file__).resolve().parent.parent
+
 PY_TYPES = {"STRING": str, "BOOL": bool, "INT32": int, "UINT64": int, "FP32": float}
 ENSEMBLE_INPUTS = {t.name: t for t in contract.TEXT_INPUTS}
 
@@ -160,3 +162,33 @@ def test_perf_plans_stream_with_count_windows_and_never_repeat_a_prompt(tmp_path
     files = run_perf.run_inputs(cpu, inputs, tmp_path)
     firsts = [json.loads(files[r.stem].read_text())["data"][0]["text_input"][0] for r in cpu]
     assert firsts == ["0", str(cpu[0].requests)]
+
+
+def test_gpu_kernel_benchmark_reports_tables_goals_and_a_plot(tmp_path):
+    """perf/gpu_kernels.py's report on synthetic timings (the timing itself needs a GPU)."""
+    sys.path.insert(0, str(ROOT / "perf"))
+    import gpu_kernels as bench
+
+    rows = [bench.Timing("linear", "8192x8192 M=1", "bf16 cuBLAS", 30.0, 8192 * 8192 * 2),
+            bench.Timing("linear", "8192x8192 M=1", "torch int4", 12.0, 8192 * 8192 // 2),
+            bench.Timing("linear", "8192x8192 M=1", "A3B Triton", 9.0, 36_000_000),
+            bench.Timing("linear", "8192x8192 M=4", "torch int4", None, 0, "RuntimeError: no kernel"),
+            bench.Timing("attention", "ctx=131072", "A3B Triton", 80.0, 73_400_320),
+            bench.Timing("attention", "ctx=131072", "fp16 SDPA", 200.0, 268_435_456)]
+    checked = [("triton a3b_matmul M=1", 1e-6, True)]
+    bench.write_report(tmp_path, rows, 4000.0, "test GPU", checked, ["8192x8192: extra 0 B"])
+    md = (tmp_path / "gpu_kernels.md").read_text()
+    assert "# A3B kernels on test GPU" in md and "| 8192x8192 M=1 | A3B Triton | 9.0 | 4000 | 100% |" in md
+    assert "3.33x faster than bf16 cuBLAS (goal >= 3x: met)" in md
+    assert "8192x8192 M=1: A3B 9.0 us vs torch int4 12.0 us (faster)" in md
+    assert "RuntimeError: no kernel" in md
+    assert (tmp_path / "gpu_kernels.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "gpu_kernels.json").read_text())["timings"][2]["gbps"] == 4000.0
+
+
+def test_gpu_kernel_benchmark_says_why_it_cannot_run_without_a_gpu(capsys):
+    sys.path.insert(0, str(ROOT / "perf"))
+    import gpu_kernels as bench
+
+    assert bench.main([]) == 2
+    assert "needs a CUDA GPU and torch with CUDA" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from a3b_backend.quant.format import A3BConfig, A3BWeight
-from kernels.kv_cache import PagedA3B, merge_splits
+from kernels.kv_cache import PagedA3B, merge_splits, rotate
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "a3b_ops.cpp", HERE / "a3b_gemv.cu", HERE / "a3b_paged_attention.cu"]
@@ -30,14 +30,14 @@ def a3b_gemv(x: torch.Tensor, q: A3BWeight, config: A3BConfig) -> torch.Tensor:
 
 
 def paged_decode_attention(q: torch.Tensor, k: PagedA3B, v: PagedA3B, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, k_channel_scale: torch.Tensor | None = None,
-                           scale: float | None = None, pages_per_split: int | None = None) -> torch.Tensor:
-    """float32 out[batch, heads, head_dim] for bf16 q; same contract as the Triton kernel."""
+                           seq_lens: torch.Tensor, scale: float | None = None,
+                           pages_per_split: int | None = None) -> torch.Tensor:
+    """float32 out[batch, heads, head_dim]; same contract as the Triton kernel."""
     batch, heads, dim = q.shape
     kv_heads = k.codes.shape[2]
     if pages_per_split is None:  # ~4 blocks per SM of an H100/H200
         splits = max(1, min(block_tables.shape[1], -(-4 * 132 // (batch * kv_heads))))
         pages_per_split = -(-block_tables.shape[1] // splits)
-    m, l, acc = ops().a3b_paged_decode(q, k.codes, k.meta, v.codes, v.meta, k_channel_scale, block_tables,
-                                       seq_lens, pages_per_split, dim ** -0.5 if scale is None else scale)
-    return merge_splits(m, l, acc).reshape(batch, heads, dim)
+    m, l, acc = ops().a3b_paged_decode(rotate(q), k.codes, k.meta, v.codes, v.meta, block_tables, seq_lens,
+                                       pages_per_split, dim ** -0.5 if scale is None else scale)
+    return rotate(merge_splits(m, l, acc).reshape(batch, heads, dim))

@@ -11,9 +11,9 @@ extern "C" cudaError_t a3b_gemv_launch(const __nv_bfloat16* x, const uint8_t* pa
                                        int n_kblocks, int group, cudaStream_t stream);
 
 extern "C" int a3b_paged_decode_warps();
-extern "C" cudaError_t a3b_paged_decode_launch(const __nv_bfloat16* q, const uint8_t* k_codes,
+extern "C" cudaError_t a3b_paged_decode_launch(const float* q, const uint8_t* k_codes,
                                                const __half* k_meta, const uint8_t* v_codes, const __half* v_meta,
-                                               const float* k_scale, const int32_t* block_tables,
+                                               const int32_t* block_tables,
                                                const int32_t* seq_lens, float* m_out, float* l_out, float* acc_out,
                                                int batch, int heads, int kv_heads, int head_dim, int group,
                                                int block_size, int max_pages, int pages_per_split, int splits,
@@ -39,10 +39,9 @@ torch::Tensor a3b_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor lo, 
 
 // Split-K partials (m, l, acc) of A3B paged decode attention; merged by the caller.
 std::vector<torch::Tensor> a3b_paged_decode(torch::Tensor q, torch::Tensor k_codes, torch::Tensor k_meta,
-                                            torch::Tensor v_codes, torch::Tensor v_meta,
-                                            c10::optional<torch::Tensor> k_scale, torch::Tensor block_tables,
+                                            torch::Tensor v_codes, torch::Tensor v_meta, torch::Tensor block_tables,
                                             torch::Tensor seq_lens, int64_t pages_per_split, double sm_scale) {
-  TORCH_CHECK(q.is_cuda() && q.scalar_type() == at::kBFloat16 && q.dim() == 3, "q: [batch, heads, D] bf16 CUDA");
+  TORCH_CHECK(q.is_cuda() && q.scalar_type() == at::kFloat && q.dim() == 3, "q: [batch, heads, D] float32 CUDA");
   TORCH_CHECK(k_codes.scalar_type() == at::kByte && k_codes.dim() == 4, "k_codes: uint8 [blocks, bs, kv_heads, D/2]");
   TORCH_CHECK(k_meta.scalar_type() == at::kHalf && k_meta.dim() == 5, "k_meta: fp16 [blocks, bs, kv_heads, G, 3]");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables/lens");
@@ -56,13 +55,9 @@ std::vector<torch::Tensor> a3b_paged_decode(torch::Tensor q, torch::Tensor k_cod
   auto l = torch::empty({batch, kv_heads, parts, qg}, f32);
   auto acc = torch::empty({batch, kv_heads, parts, qg, dim}, f32);
   auto qc = q.contiguous();
-  torch::Tensor scale;
-  if (k_scale.has_value()) scale = k_scale->to(torch::kFloat32).contiguous();
   const cudaError_t err = a3b_paged_decode_launch(
-      reinterpret_cast<const __nv_bfloat16*>(qc.data_ptr()), k_codes.data_ptr<uint8_t>(),
-      reinterpret_cast<const __half*>(k_meta.data_ptr()), v_codes.data_ptr<uint8_t>(),
-      reinterpret_cast<const __half*>(v_meta.data_ptr()), scale.defined() ? scale.data_ptr<float>() : nullptr,
-      block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), m.data_ptr<float>(), l.data_ptr<float>(),
+      qc.data_ptr<float>(), k_codes.data_ptr<uint8_t>(), reinterpret_cast<const __half*>(k_meta.data_ptr()),
+      v_codes.data_ptr<uint8_t>(), reinterpret_cast<const __half*>(v_meta.data_ptr()), block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), m.data_ptr<float>(), l.data_ptr<float>(),
       acc.data_ptr<float>(), batch, heads, kv_heads, dim, dim / groups, block_size, max_pages, pages_per_split,
       splits, static_cast<float>(sm_scale), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "a3b_paged_decode launch: ", cudaGetErrorString(err),

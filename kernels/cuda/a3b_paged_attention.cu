@@ -4,14 +4,13 @@
 //   codes  uint8 [blocks, block_size, kv_heads, D/2]   low nibble = even channel
 //   meta   fp16  [blocks, block_size, kv_heads, D/group, 3]   (lo, step, d)
 //   value = lo + (code >> 1) * step + (code & 1 ? +d : -d)
-// Keys were stored divided by a per-channel scale; the query is multiplied by
-// it here. A thread block takes one (sequence, KV head, split of its pages);
+// K/V were stored Hadamard-rotated: the caller passes the rotated float32
+// query and rotates the merged output back. A thread block takes one (sequence, KV head, split of its pages);
 // each warp walks every WARPS-th token of the split with all QG query heads of
 // the KV head, each lane owning D/32 consecutive channels, and keeps its own
 // online softmax. Every warp writes its (m, l, acc) as a partial; the caller
 // merges partials (kernels/kv_cache.py merge_splits). Pure CUDA: the torch
 // binding (a3b_ops.cpp) calls a3b_paged_decode_launch.
-#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
 
@@ -22,9 +21,9 @@ constexpr int kWarps = 4;
 
 template <int D, int QG>
 __global__ void __launch_bounds__(kWarps* kWarp)
-    a3b_paged_decode_kernel(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_codes,
+    a3b_paged_decode_kernel(const float* __restrict__ q, const uint8_t* __restrict__ k_codes,
                             const __half* __restrict__ k_meta, const uint8_t* __restrict__ v_codes,
-                            const __half* __restrict__ v_meta, const float* __restrict__ k_scale,
+                            const __half* __restrict__ v_meta,
                             const int32_t* __restrict__ block_tables, const int32_t* __restrict__ seq_lens,
                             float* __restrict__ m_out, float* __restrict__ l_out, float* __restrict__ acc_out,
                             int heads, int kv_heads, int group, int block_size, int max_pages, int pages_per_split,
@@ -37,9 +36,7 @@ __global__ void __launch_bounds__(kWarps* kWarp)
   __shared__ float q_s[QG][D];
   for (int i = threadIdx.x; i < QG * D; i += blockDim.x) {
     const int g = i / D, c = i % D;
-    float v = __bfloat162float(q[(static_cast<size_t>(b) * heads + h * QG + g) * D + c]) * sm_scale;
-    if (k_scale != nullptr) v *= k_scale[h * D + c];
-    q_s[g][c] = v;
+    q_s[g][c] = q[(static_cast<size_t>(b) * heads + h * QG + g) * D + c] * sm_scale;
   }
   __syncthreads();
 
@@ -114,28 +111,27 @@ __global__ void __launch_bounds__(kWarps* kWarp)
 }
 
 template <int D, int QG>
-cudaError_t launch(const __nv_bfloat16* q, const uint8_t* k_codes, const __half* k_meta, const uint8_t* v_codes,
-                   const __half* v_meta, const float* k_scale, const int32_t* block_tables,
+cudaError_t launch(const float* q, const uint8_t* k_codes, const __half* k_meta, const uint8_t* v_codes,
+                   const __half* v_meta, const int32_t* block_tables,
                    const int32_t* seq_lens, float* m_out, float* l_out, float* acc_out, int batch, int heads,
                    int kv_heads, int group, int block_size, int max_pages, int pages_per_split, int splits,
                    float sm_scale, cudaStream_t stream) {
   const dim3 grid(batch, kv_heads, splits);
   a3b_paged_decode_kernel<D, QG><<<grid, kWarps * kWarp, 0, stream>>>(
-      q, k_codes, k_meta, v_codes, v_meta, k_scale, block_tables, seq_lens, m_out, l_out, acc_out, heads, kv_heads,
+      q, k_codes, k_meta, v_codes, v_meta, block_tables, seq_lens, m_out, l_out, acc_out, heads, kv_heads,
       group, block_size, max_pages, pages_per_split, sm_scale);
   return cudaGetLastError();
 }
 
 template <int D>
-cudaError_t launch_qg(int qg, const __nv_bfloat16* q, const uint8_t* k_codes, const __half* k_meta,
-                      const uint8_t* v_codes, const __half* v_meta, const float* k_scale,
-                      const int32_t* block_tables, const int32_t* seq_lens, float* m_out, float* l_out,
+cudaError_t launch_qg(int qg, const float* q, const uint8_t* k_codes, const __half* k_meta,
+                      const uint8_t* v_codes, const __half* v_meta, const int32_t* block_tables, const int32_t* seq_lens, float* m_out, float* l_out,
                       float* acc_out, int batch, int heads, int kv_heads, int group, int block_size, int max_pages,
                       int pages_per_split, int splits, float sm_scale, cudaStream_t stream) {
   switch (qg) {
 #define A3B_QG(n)                                                                                              \
   case n:                                                                                                      \
-    return launch<D, n>(q, k_codes, k_meta, v_codes, v_meta, k_scale, block_tables, seq_lens, m_out, l_out,    \
+    return launch<D, n>(q, k_codes, k_meta, v_codes, v_meta, block_tables, seq_lens, m_out, l_out,    \
                         acc_out, batch, heads, kv_heads, group, block_size, max_pages, pages_per_split, splits, \
                         sm_scale, stream);
     A3B_QG(1) A3B_QG(2) A3B_QG(4) A3B_QG(8) A3B_QG(16)
@@ -152,9 +148,9 @@ extern "C" int a3b_paged_decode_warps() { return kWarps; }
 
 // head_dim D in {64, 128, 256}; query heads per KV head in {1, 2, 4, 8, 16};
 // group a multiple of D / 32 dividing D. Returns cudaErrorInvalidValue otherwise.
-extern "C" cudaError_t a3b_paged_decode_launch(const __nv_bfloat16* q, const uint8_t* k_codes,
+extern "C" cudaError_t a3b_paged_decode_launch(const float* q, const uint8_t* k_codes,
                                                const __half* k_meta, const uint8_t* v_codes, const __half* v_meta,
-                                               const float* k_scale, const int32_t* block_tables,
+                                               const int32_t* block_tables,
                                                const int32_t* seq_lens, float* m_out, float* l_out, float* acc_out,
                                                int batch, int heads, int kv_heads, int head_dim, int group,
                                                int block_size, int max_pages, int pages_per_split, int splits,
@@ -166,7 +162,7 @@ extern "C" cudaError_t a3b_paged_decode_launch(const __nv_bfloat16* q, const uin
   switch (head_dim) {
 #define A3B_D(d)                                                                                               \
   case d:                                                                                                      \
-    return launch_qg<d>(qg, q, k_codes, k_meta, v_codes, v_meta, k_scale, block_tables, seq_lens, m_out, l_out, \
+    return launch_qg<d>(qg, q, k_codes, k_meta, v_codes, v_meta, block_tables, seq_lens, m_out, l_out, \
                         acc_out, batch, heads, kv_heads, group, block_size, max_pages, pages_per_split, splits, \
                         sm_scale, stream);
     A3B_D(64) A3B_D(128) A3B_D(256)

@@ -2,6 +2,9 @@
 kernels/kv_cache.py (codes [blocks, block_size, kv_heads, head_dim/2], fp16
 (lo, step, d) per group of channels of one token and head):
 
+K/V vectors and the query are rotated by the head_dim Hadamard matrix around
+the kernels (kernels/kv_cache.py `rotate`; the kernels see rotated vectors).
+
 - `write`: quantize-on-write. One program per (token, KV head, group) fits the
   group's table (the format's uniform 16-level grid, then Lloyd refits solved
   in closed form, each kept only when it lowers the error), rounds it to fp16
@@ -19,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_cache import ITERATIONS, PagedA3B, merge_splits
+from kernels.kv_cache import ITERATIONS, PagedA3B, merge_splits, rotate
 
 
 @triton.jit
@@ -71,8 +74,7 @@ def _refit(xe, xo, lo, step, d, n):
 
 
 @triton.jit
-def _write_kernel(x_ptr, scale_ptr, slot_ptr, codes_ptr, meta_ptr, heads, dim, block_size,
-                  HAS_SCALE: tl.constexpr, GROUP: tl.constexpr, ITERS: tl.constexpr):
+def _write_kernel(x_ptr, slot_ptr, codes_ptr, meta_ptr, heads, dim, GROUP: tl.constexpr, ITERS: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)
     group = tl.program_id(2)
@@ -83,9 +85,6 @@ def _write_kernel(x_ptr, scale_ptr, slot_ptr, codes_ptr, meta_ptr, heads, dim, b
     src = (token * heads + head).to(tl.int64) * dim
     xe = tl.load(x_ptr + src + ch).to(tl.float32)
     xo = tl.load(x_ptr + src + ch + 1).to(tl.float32)
-    if HAS_SCALE:
-        xe = xe / tl.load(scale_ptr + head * dim + ch)
-        xo = xo / tl.load(scale_ptr + head * dim + ch + 1)
     lo_x = tl.minimum(tl.min(xe, 0), tl.min(xo, 0))
     unit = (tl.maximum(tl.max(xe, 0), tl.max(xo, 0)) - lo_x) / 16.0
     lo = lo_x + unit
@@ -115,15 +114,12 @@ def _write_kernel(x_ptr, scale_ptr, slot_ptr, codes_ptr, meta_ptr, heads, dim, b
     tl.store(meta_ptr + meta + 2, d.to(tl.float16))
 
 
-def write(cache: PagedA3B, x: torch.Tensor, slot_mapping: torch.Tensor, channel_scale: torch.Tensor | None = None,
-          iterations: int = ITERATIONS) -> None:
-    """Quantize x[tokens, kv_heads, head_dim] into the cache's slots (slot < 0: skipped)."""
+def write(cache: PagedA3B, x: torch.Tensor, slot_mapping: torch.Tensor, iterations: int = ITERATIONS) -> None:
+    """Quantize x[tokens, kv_heads, head_dim] (K or V), rotated, into the cache's slots (slot < 0: skipped)."""
     tokens, heads, dim = x.shape
     group = cache.group
-    scale = channel_scale.float().contiguous() if channel_scale is not None else x
-    _write_kernel[(tokens, heads, dim // group)](x.contiguous(), scale, slot_mapping, cache.codes, cache.meta, heads,
-                                                 dim, cache.codes.shape[1], HAS_SCALE=channel_scale is not None,
-                                                 GROUP=group, ITERS=iterations)
+    _write_kernel[(tokens, heads, dim // group)](rotate(x).contiguous(), slot_mapping, cache.codes, cache.meta, heads,
+                                                 dim, GROUP=group, ITERS=iterations)
 
 
 @triton.jit
@@ -143,10 +139,10 @@ def _dequant_half(codes_ptr, meta_ptr, rows, t_ok, GROUP: tl.constexpr, D: tl.co
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_codes, k_meta, v_codes, v_meta, scale_ptr, tables_ptr, lens_ptr,
+def _decode_kernel(q_ptr, k_codes, k_meta, v_codes, v_meta, tables_ptr, lens_ptr,
                    m_ptr, l_ptr, acc_ptr, heads, kv_heads, max_pages, pages_per_split, sm_scale,
                    QG: tl.constexpr, QG_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
-                   GROUP: tl.constexpr, HAS_SCALE: tl.constexpr):
+                   GROUP: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -157,9 +153,6 @@ def _decode_kernel(q_ptr, k_codes, k_meta, v_codes, v_meta, scale_ptr, tables_pt
     q_rows = (b * heads + h * QG + qh).to(tl.int64) * D
     qe = tl.load(q_ptr + q_rows[:, None] + 2 * half[None, :], mask=q_ok[:, None], other=0.0).to(tl.float32)
     qo = tl.load(q_ptr + q_rows[:, None] + 2 * half[None, :] + 1, mask=q_ok[:, None], other=0.0).to(tl.float32)
-    if HAS_SCALE:  # keys were stored divided by their channel scale
-        qe = qe * tl.load(scale_ptr + h * D + 2 * half)[None, :]
-        qo = qo * tl.load(scale_ptr + h * D + 2 * half + 1)[None, :]
     qe = qe * sm_scale
     qo = qo * sm_scale
     m = tl.full((QG_P,), float("-inf"), tl.float32)
@@ -193,8 +186,7 @@ def _decode_kernel(q_ptr, k_codes, k_meta, v_codes, v_meta, scale_ptr, tables_pt
 
 
 def paged_decode_attention(q: torch.Tensor, k: PagedA3B, v: PagedA3B, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, k_channel_scale: torch.Tensor | None = None,
-                           scale: float | None = None, splits: int | None = None) -> torch.Tensor:
+                           seq_lens: torch.Tensor, scale: float | None = None, splits: int | None = None) -> torch.Tensor:
     """float32 out[batch, heads, head_dim]; `splits` per (sequence, KV head)
     defaults to enough programs to fill a large GPU (~4 per SM of an H100/H200)."""
     batch, heads, dim = q.shape
@@ -209,9 +201,8 @@ def paged_decode_attention(q: torch.Tensor, k: PagedA3B, v: PagedA3B, block_tabl
     m = torch.empty(batch, kv_heads, splits, qg_p, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(batch, kv_heads, splits, qg_p, dim, dtype=torch.float32, device=q.device)
-    scale_t = k_channel_scale.float().contiguous() if k_channel_scale is not None else q
     _decode_kernel[(batch, kv_heads, splits)](
-        q.contiguous(), k.codes, k.meta, v.codes, v.meta, scale_t, block_tables, seq_lens, m, l, acc, heads,
+        rotate(q).contiguous(), k.codes, k.meta, v.codes, v.meta, block_tables, seq_lens, m, l, acc, heads,
         kv_heads, max_pages, per_split, dim ** -0.5 if scale is None else scale, QG=qg, QG_P=qg_p,
-        BLOCK_SIZE=block_size, D=dim, GROUP=k.group, HAS_SCALE=k_channel_scale is not None)
-    return merge_splits(m, l, acc)[:, :, :qg].reshape(batch, heads, dim)
+        BLOCK_SIZE=block_size, D=dim, GROUP=k.group)
+    return rotate(merge_splits(m, l, acc)[:, :, :qg].reshape(batch, heads, dim))

@@ -1,0 +1,445 @@
+"""A3B kernels on a GPU, one run: check, then time (`make bench-gpu`).
+
+    python perf/gpu_kernels.py [--out perf/results/gpu] [--iters 50] [--no-cuda-ext]
+
+1. Checks every kernel against its torch reference on fresh random inputs
+   (Triton A3B matmul and grouped MoE, CUDA GEMV, Triton KV write, Triton and
+   CUDA paged decode attention); a mismatch is reported and the run exits 1
+   after timing.
+2. Times with CUDA events, median of --iters calls, each call on the next of
+   several copies of its operands that together exceed L2 several times (an
+   A3B 8192x8192 weight, 34 MB, would otherwise be timed from the 60 MB L2):
+   - A3B GEMV/GEMM (Triton; CUDA GEMV at batch <= 16) vs torch bf16 matmul
+     (cuBLAS) vs torch's int4 weight-only matmul (_weight_int4pack_mm, group
+     128), batch 1/4/16/64, weights [N, K] = 2048x512, 512x2048, 2048x2048,
+     8192x8192;
+   - A3B paged decode attention (Triton, CUDA) vs fp16 SDPA, Qwen3.6's
+     attention shape (16 query heads, 2 KV heads, head_dim 256), 8K/32K/128K
+     context, batch 1.
+   GB/s counts the bytes a call must read (packed codes + metadata, or the
+   dense weight / cache) and is set against a device-to-device copy timed in
+   the same run. The extra device memory an A3B call allocates is checked to
+   stay under 1% of the bf16 weight.
+3. Writes gpu_kernels.{md,json,png} with the GPU named.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+L2_BYTES = 60 << 20
+ROTATE_BYTES = 4 * L2_BYTES  # operands cycled per timed call: several times L2
+SHAPES = [(2048, 512), (512, 2048), (2048, 2048), (8192, 8192)]  # weight [N, K]
+BATCHES = [1, 4, 16, 64]
+CONTEXTS = [8192, 32768, 131072]
+ATTENTION = {"heads": 16, "kv_heads": 2, "head_dim": 256, "block_size": 16, "group": 128}
+
+
+@dataclasses.dataclass
+class Timing:
+    bench: str  # "linear" or "attention"
+    case: str  # e.g. "8192x8192 M=1" or "ctx=131072"
+    variant: str
+    us: float | None  # median microseconds; None when the variant cannot run
+    bytes_read: int
+    note: str = ""
+
+    @property
+    def gbps(self) -> float | None:
+        return None if not self.us else self.bytes_read / self.us / 1e3
+
+
+# --------------------------------------------------------------------------- timing
+def time_us(fn: Callable[[int], object], iters: int, warmup: int = 5) -> float:
+    """Median microseconds of fn(i) over iters calls, each timed with CUDA events."""
+    import torch
+
+    for i in range(warmup):
+        fn(i)
+    torch.cuda.synchronize()
+    samples = []
+    for i in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(warmup + i)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(samples)
+
+
+def copies(make: Callable[[], object], nbytes: int) -> list:
+    """Enough independent copies of an operand that cycling through them defeats L2."""
+    return [make() for _ in range(max(2, -(-ROTATE_BYTES // max(nbytes, 1))))]
+
+
+def copy_bandwidth(iters: int) -> float:
+    """GB/s of a 1 GiB device-to-device copy, counting bytes read + written."""
+    import torch
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = time_us(lambda i: dst.copy_(src), iters)
+    return 2 * src.numel() / us / 1e3
+
+
+# --------------------------------------------------------------------------- checks
+def checks(cuda_ext: bool) -> list[tuple[str, float, bool]]:
+    """(kernel, max abs error relative to the reference's max, passed) on fresh random inputs."""
+    import torch
+
+    from a3b_backend.quant.format import A3BConfig, quantize
+    from kernels import kv_cache, reference
+    from kernels.triton import a3b_kv, a3b_matmul, a3b_moe
+
+    config = A3BConfig(1, 128, iterations=2)
+    results = []
+
+    def record(name, got, expected, tol):
+        err = ((got.float().cpu() - expected.float().cpu()).abs().max() / expected.abs().max()).item()
+        results.append((name, err, bool(torch.isfinite(got).all()) and err <= tol))
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    w = torch.randn(1024, 2048, generator=g) * 0.05
+    q = quantize(w, config)
+    q_gpu = type(q)(**{k: v if k == "shape" else v.cuda() for k, v in vars(q).items()})
+    for m in (1, 16, 64):
+        x = torch.randn(m, 2048, generator=g).to(torch.bfloat16)
+        expected = reference.a3b_matmul(x, q, config)
+        record(f"triton a3b_matmul M={m}", a3b_matmul.a3b_matmul(x.cuda(), q_gpu, config, block_m=16), expected, 1e-3)
+        if cuda_ext and m <= 16:
+            from kernels import cuda
+
+            record(f"cuda a3b_gemv M={m}", cuda.a3b_gemv(x.cuda(), q_gpu, config), expected, 1e-3)
+
+    experts = 8
+    w13 = [quantize(torch.randn(1024, 2048, generator=g) * 0.05, config) for _ in range(experts)]
+    w2 = [quantize(torch.randn(2048, 512, generator=g) * 0.05, config) for _ in range(experts)]
+    stack = {name: {k: torch.stack([getattr(e, k) for e in ws]).cuda() for k in a3b_moe.KINDS}
+             for name, ws in (("w13", w13), ("w2", w2))}
+    x = torch.randn(6, 2048, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:4] for _ in range(6)])
+    weights = torch.rand(6, 4, generator=g).softmax(-1)
+    record("triton a3b_moe (hidden 2048, expert 512, top 4 of 8)",
+           a3b_moe.a3b_moe(x.cuda(), stack["w13"], stack["w2"], weights.cuda(), ids.cuda(), 128),
+           reference.a3b_moe(x, w13, w2, weights, ids, config), 2e-3)
+
+    shape = ATTENTION
+    lens = torch.tensor([17, 700, 2100])
+    pages = -(-lens // shape["block_size"])
+    caches = {}
+    for kind in ("k", "v"):
+        caches[kind] = kv_cache.PagedA3B.empty(int(pages.sum()), shape["block_size"], shape["kv_heads"],
+                                               shape["head_dim"], shape["group"])
+    tables = torch.zeros(len(lens), int(pages.max()), dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(lens.tolist()):
+        tables[b, :pages[b]] = torch.arange(start, start + pages[b])
+        start += int(pages[b])
+        slots = (tables[b, :pages[b], None] * shape["block_size"] + torch.arange(shape["block_size"])).flatten()[:n]
+        for kind in ("k", "v"):
+            x_kv = torch.randn(n, shape["kv_heads"], shape["head_dim"], generator=g)
+            kv_cache.write(caches[kind], x_kv, slots)
+            if kind == "k" and b == 1:  # the Triton writer against the reference writer
+                written = kv_cache.PagedA3B.empty(*caches[kind].codes.shape[:3], shape["head_dim"], shape["group"],
+                                                  device="cuda")
+                a3b_kv.write(written, x_kv.cuda(), slots.cuda())
+                flat = shape["kv_heads"], shape["head_dim"] // 2
+                same = (written.codes.view(-1, *flat)[slots.cuda()].cpu()
+                        == caches[kind].codes.view(-1, *flat)[slots]).float().mean().item()
+                results.append(("triton a3b_kv.write (share of codes unequal to the reference)", 1 - same,
+                                same > 0.99))
+    qry = torch.randn(len(lens), shape["heads"], shape["head_dim"], generator=g).to(torch.bfloat16)
+    expected = kv_cache.paged_decode_attention(qry, caches["k"], caches["v"], tables, lens)
+    on_gpu = [kv_cache.PagedA3B(c.codes.cuda(), c.meta.cuda()) for c in (caches["k"], caches["v"])]
+    args = (qry.cuda(), *on_gpu, tables.cuda(), lens.int().cuda())
+    record("triton a3b paged decode attention", a3b_kv.paged_decode_attention(*args), expected, 1e-3)
+    if cuda_ext:
+        from kernels import cuda
+
+        record("cuda a3b paged decode attention", cuda.paged_decode_attention(*args), expected, 1e-3)
+    return results
+
+
+# --------------------------------------------------------------------------- linear
+def random_a3b(n: int, k: int, device: str = "cuda"):
+    """Random codes and metadata of an [n, k] A3B weight (timing needs no fit)."""
+    import torch
+
+    from a3b_backend.quant.format import A3BWeight
+
+    blocks = k // 128
+    return A3BWeight(packed=torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device),
+                     lo=torch.randint(-127, 128, (n, blocks), dtype=torch.int8, device=device),
+                     step=torch.randint(0, 256, (n, blocks), dtype=torch.uint8, device=device),
+                     delta=torch.randint(0, 256, (n, blocks), dtype=torch.uint8, device=device),
+                     lo_scale=torch.full((n,), 1e-3, dtype=torch.bfloat16, device=device),
+                     step_scale=torch.full((n,), 1e-4, dtype=torch.bfloat16, device=device),
+                     shape=torch.tensor([n, k]))
+
+
+def int4_weight(n: int, k: int):
+    """torch's int4 weight-only format: packed weight + bf16 scales/zeros, group 128."""
+    import torch
+
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda")
+    packed = torch.ops.aten._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), 8)
+    scales_zeros = torch.randn(k // 128, n, 2, device="cuda").to(torch.bfloat16)
+    return packed, scales_zeros
+
+
+def time_linear(iters: int, cuda_ext: bool) -> tuple[list[Timing], list[str]]:
+    import torch
+
+    from a3b_backend.quant.format import A3BConfig
+    from kernels.triton import a3b_matmul
+
+    config = A3BConfig(1, 128)
+    rows, notes = [], []
+    for n, k in SHAPES:
+        a3b_bytes = random_a3b(n, k).nbytes()
+        dense_bytes = n * k * 2
+        a3b = copies(lambda: random_a3b(n, k), a3b_bytes)
+        dense = copies(lambda: torch.randn(n, k, device="cuda").to(torch.bfloat16), dense_bytes)
+        try:
+            int4 = copies(lambda: int4_weight(n, k), n * k // 2)
+        except Exception as exc:  # torch build without the int4 kernels for this GPU
+            int4, int4_error = None, f"{type(exc).__name__}: {exc}"[:120]
+        for m in BATCHES:
+            case = f"{n}x{k} M={m}"
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            act = m * k * 2
+            rows.append(Timing("linear", case, "bf16 cuBLAS",
+                               time_us(lambda i: x @ dense[i % len(dense)].T, iters), dense_bytes + act))
+            if int4 is None:
+                rows.append(Timing("linear", case, "torch int4", None, n * k // 2, int4_error))
+            else:
+                rows.append(Timing("linear", case, "torch int4", time_us(
+                    lambda i: torch.ops.aten._weight_int4pack_mm(x, int4[i % len(int4)][0], 128,
+                                                                 int4[i % len(int4)][1]), iters),
+                    n * k // 2 + k // 128 * n * 4 + act))
+            block_m = 16 if m <= 16 else 64
+            rows.append(Timing("linear", case, "A3B Triton", time_us(
+                lambda i: a3b_matmul.a3b_matmul(x, a3b[i % len(a3b)], config, block_m=block_m, block_n=64), iters),
+                a3b_bytes + act))
+            if cuda_ext and m <= 16:
+                from kernels import cuda
+
+                rows.append(Timing("linear", case, "A3B CUDA GEMV", time_us(
+                    lambda i: cuda.a3b_gemv(x, a3b[i % len(a3b)], config), iters), a3b_bytes + act))
+        notes.append(extra_memory_note(n, k, config))
+        del a3b, dense, int4
+        torch.cuda.empty_cache()
+    return rows, notes
+
+
+def extra_memory_note(n: int, k: int, config) -> str:
+    """Device memory an A3B call allocates beyond its output, against 1% of the bf16 weight."""
+    import torch
+
+    from kernels.triton import a3b_matmul
+
+    q, x = random_a3b(n, k), torch.randn(16, k, device="cuda").to(torch.bfloat16)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y = a3b_matmul.a3b_matmul(x, q, config)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before - y.numel() * y.element_size()
+    limit = 0.01 * n * k * 2
+    return (f"{n}x{k}: extra device memory during an A3B call {extra} B "
+            f"({'within' if extra <= limit else 'OVER'} 1% of the bf16 weight, {limit:.0f} B)")
+
+
+# --------------------------------------------------------------------------- attention
+def random_paged(tokens: int) -> tuple[object, object, object]:
+    """(k cache, v cache, block table) with random codes/metadata, pages in random order."""
+    import torch
+
+    from kernels.kv_cache import PagedA3B
+
+    s = ATTENTION
+    pages = -(-tokens // s["block_size"])
+    caches = []
+    for _ in range(2):
+        c = PagedA3B.empty(pages, s["block_size"], s["kv_heads"], s["head_dim"], s["group"], device="cuda")
+        c.codes.random_(0, 256)
+        c.meta.copy_(torch.rand_like(c.meta) * 0.1)
+        caches.append(c)
+    table = torch.randperm(pages, device="cuda", dtype=torch.int32)[None]
+    return caches[0], caches[1], table
+
+
+def time_attention(iters: int, cuda_ext: bool) -> list[Timing]:
+    import torch
+
+    from kernels import kv_cache
+    from kernels.triton import a3b_kv
+
+    s = ATTENTION
+    rows = []
+    for ctx in CONTEXTS:
+        case = f"ctx={ctx}"
+        a3b_bytes = int(kv_cache.bytes_per_token_layer(
+            kv_cache.AttentionShape("bench", s["kv_heads"], s["head_dim"], 1), "a3b", s["group"]) * ctx)
+        fp16_bytes = 2 * ctx * s["kv_heads"] * s["head_dim"] * 2
+        q = torch.randn(1, s["heads"], s["head_dim"], device="cuda").to(torch.bfloat16)
+        lens = torch.tensor([ctx], dtype=torch.int32, device="cuda")
+        paged = copies(lambda: random_paged(ctx), a3b_bytes)
+        rows.append(Timing("attention", case, "A3B Triton", time_us(
+            lambda i: a3b_kv.paged_decode_attention(q, paged[i % len(paged)][0], paged[i % len(paged)][1],
+                                                    paged[i % len(paged)][2], lens), iters), a3b_bytes))
+        if cuda_ext:
+            from kernels import cuda
+
+            rows.append(Timing("attention", case, "A3B CUDA", time_us(
+                lambda i: cuda.paged_decode_attention(q, paged[i % len(paged)][0], paged[i % len(paged)][1],
+                                                      paged[i % len(paged)][2], lens), iters), a3b_bytes))
+        del paged
+        dense = copies(lambda: (torch.randn(1, s["kv_heads"], ctx, s["head_dim"], device="cuda").half(),
+                                torch.randn(1, s["kv_heads"], ctx, s["head_dim"], device="cuda").half()), fp16_bytes)
+        q16 = q.half()[:, :, None, :]
+        rows.append(Timing("attention", case, "fp16 SDPA", time_us(
+            lambda i: torch.nn.functional.scaled_dot_product_attention(
+                q16, dense[i % len(dense)][0], dense[i % len(dense)][1], enable_gqa=True), iters), fp16_bytes))
+        del dense
+        torch.cuda.empty_cache()
+    return rows
+
+
+# --------------------------------------------------------------------------- report
+def goals(rows: list[Timing], copy_gbps: float) -> list[str]:
+    """The issue's H200 goals, met or missed, from this run's figures."""
+    def us(case, variant):
+        return next((r.us for r in rows if r.case == case and r.variant == variant), None)
+
+    out = []
+    best_a3b = [r for r in rows if r.case == "8192x8192 M=1" and r.variant.startswith("A3B") and r.us]
+    if best_a3b:
+        best = min(best_a3b, key=lambda r: r.us)
+        cublas = us("8192x8192 M=1", "bf16 cuBLAS")
+        if cublas:
+            out.append(f"GEMV 8192x8192 batch 1: {best.variant} {cublas / best.us:.2f}x faster than bf16 cuBLAS "
+                       f"(goal >= 3x: {'met' if cublas / best.us >= 3 else 'MISSED'})")
+        share = best.gbps / copy_gbps
+        out.append(f"GEMV 8192x8192 batch 1: {best.gbps:.0f} GB/s = {share:.0%} of the copy bandwidth "
+                   f"(goal >= 80%: {'met' if share >= 0.8 else 'MISSED'})")
+    for m in (1, 4, 16):
+        for n, k in SHAPES:
+            case = f"{n}x{k} M={m}"
+            a3b = min((r.us for r in rows if r.case == case and r.variant.startswith("A3B") and r.us), default=None)
+            int4 = us(case, "torch int4")
+            if a3b and int4:
+                out.append(f"{case}: A3B {a3b:.1f} us vs torch int4 {int4:.1f} us "
+                           f"({'faster' if a3b < int4 else 'SLOWER'})")
+    return out
+
+
+def markdown(rows: list[Timing], copy_gbps: float, device: str, checked: list, notes: list[str]) -> str:
+    lines = [f"# A3B kernels on {device}", "",
+             "Command: `make bench-gpu` (perf/gpu_kernels.py). Median of CUDA-event-timed calls, operands rotated "
+             f"through >= {ROTATE_BYTES >> 20} MB so L2 does not serve them.", "",
+             f"Device-to-device copy: {copy_gbps:.0f} GB/s (read + write).", "", "## Checks against the torch reference",
+             "", "| kernel | max error / max reference | passed |", "|---|---|---|"]
+    lines += [f"| {name} | {err:.2e} | {'yes' if ok else 'NO'} |" for name, err, ok in checked]
+    for bench in ("linear", "attention"):
+        lines += ["", f"## {bench}", "", "| case | variant | us | GB/s | share of copy | note |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            if r.bench == bench:
+                us = f"{r.us:.1f}" if r.us else "-"
+                gbps = f"{r.gbps:.0f}" if r.gbps else "-"
+                share = f"{r.gbps / copy_gbps:.0%}" if r.gbps else "-"
+                lines.append(f"| {r.case} | {r.variant} | {us} | {gbps} | {share} | {r.note} |")
+    lines += ["", "## Goals", ""] + [f"- {g}" for g in goals(rows, copy_gbps)] + ["", "## Memory", ""]
+    lines += [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[Timing], copy_gbps: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(SHAPES) + 1, figsize=(5 * (len(SHAPES) + 1), 4))
+    for ax, (n, k) in zip(axes, SHAPES):
+        for variant in sorted({r.variant for r in rows if r.bench == "linear"}):
+            points = [(int(r.case.split("M=")[1]), r.us) for r in rows
+                      if r.bench == "linear" and r.variant == variant and r.case.startswith(f"{n}x{k} ") and r.us]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=variant)
+        ax.set(title=f"W {n}x{k}", xlabel="batch M", ylabel="us (median)", xscale="log", yscale="log")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    ax = axes[-1]
+    for variant in sorted({r.variant for r in rows if r.bench == "attention"}):
+        points = [(int(r.case.split("=")[1]), r.us) for r in rows
+                  if r.bench == "attention" and r.variant == variant and r.us]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=variant)
+    ax.set(title="decode attention (16 q / 2 kv heads, d 256)", xlabel="context tokens", ylabel="us (median)",
+           xscale="log", yscale="log")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    fig.suptitle(f"A3B kernels; copy bandwidth {copy_gbps:.0f} GB/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(out: Path, rows: list[Timing], copy_gbps: float, device: str, checked: list,
+                 notes: list[str]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_kernels.md").write_text(markdown(rows, copy_gbps, device, checked, notes))
+    (out / "gpu_kernels.json").write_text(json.dumps(
+        {"device": device, "copy_gbps": copy_gbps, "checks": checked, "notes": notes,
+         "timings": [dataclasses.asdict(r) | {"gbps": r.gbps} for r in rows]}, indent=1))
+    plot(rows, copy_gbps, out / "gpu_kernels.png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "gpu")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--no-cuda-ext", action="store_true", help="skip building and timing the CUDA C++ kernels")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("perf/gpu_kernels.py needs a CUDA GPU and torch with CUDA; this machine has neither "
+              f"(torch {torch.__version__})", file=sys.stderr)
+        return 2
+    import triton
+
+    device = (f"{torch.cuda.get_device_name()} (torch {torch.__version__}, Triton {triton.__version__}, "
+              f"CUDA {torch.version.cuda})")
+    print(f"device: {device}", flush=True)
+    cuda_ext = not args.no_cuda_ext
+    if cuda_ext:
+        print("building the CUDA C++ kernels (torch extension)...", flush=True)
+        from kernels import cuda
+
+        cuda.ops()
+    checked = checks(cuda_ext)
+    for name, err, ok in checked:
+        print(f"check {name}: {err:.2e} {'ok' if ok else 'FAILED'}", flush=True)
+    copy_gbps = copy_bandwidth(args.iters)
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
+    rows, notes = time_linear(args.iters, cuda_ext)
+    rows += time_attention(args.iters, cuda_ext)
+    write_report(args.out, rows, copy_gbps, device, checked, notes)
+    print(markdown(rows, copy_gbps, device, checked, notes))
+    print(f"wrote {args.out}/gpu_kernels.{{md,json,png}}")
+    return 0 if all(ok for _, _, ok in checked) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
