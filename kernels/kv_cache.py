@@ -188,17 +188,30 @@ def gaussian_qkv(shape: AttentionShape, tokens: int, g: torch.Generator):
     return q, k, torch.randn(shape.kv_heads, tokens, shape.head_dim, generator=g)
 
 
-def attention_error(shape: AttentionShape, tokens: int, rotated: bool, seed: int = 0) -> float:
-    """Relative L2 error of the attention output, A3B K/V vs fp16 K/V."""
+def fp8_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """x through an fp8 (e4m3) cache with scale 1, vLLM's default fp8 KV."""
+    return x.to(torch.float8_e4m3fn).to(x.dtype)
+
+
+# K/V cache variants compared in the report: name -> write-then-read of x[..., head_dim]
+ROUNDTRIPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "fp8 (e4m3)": fp8_roundtrip,
+    "A3B, plain": lambda x: a3b_roundtrip(x, rotated=False),
+    "A3B, Hadamard-rotated (the format)": a3b_roundtrip,
+}
+
+
+def attention_error(shape: AttentionShape, tokens: int, roundtrip: Callable[[torch.Tensor], torch.Tensor],
+                    seed: int = 0) -> float:
+    """Relative L2 error of the attention output, K/V through `roundtrip` vs fp16 K/V."""
     q, k, v = gaussian_qkv(shape, tokens, torch.Generator().manual_seed(seed))
     ref = attention(q, k.half().float(), v.half().float())
-    got = attention(q, a3b_roundtrip(k, rotated=rotated), a3b_roundtrip(v, rotated=rotated))
+    got = attention(q, roundtrip(k), roundtrip(v))
     return ((got - ref).norm() / ref.norm()).item()
 
 
 def kv_quantized_perplexity(model_dir: Path, eval_tokens: int) -> dict[str, float]:
-    """SmolLM2 perplexity with fp16 K/V and with K/V through the A3B cache,
-    plain and rotated. K/V are quantized where attention reads them, after
+    """SmolLM2 perplexity with fp16 K/V and with K/V through each of ROUNDTRIPS. K/V are quantized where attention reads them, after
     RoPE, as a cache holds them (a transformers attention function wrapping SDPA)."""
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -215,8 +228,7 @@ def kv_quantized_perplexity(model_dir: Path, eval_tokens: int) -> dict[str, floa
 
     AttentionInterface.register("a3b_kv_reference", a3b_kv_attention)
     model.set_attn_implementation("a3b_kv_reference")
-    variants = {"fp16": lambda x: x.half().float(), "a3b": lambda x: a3b_roundtrip(x, rotated=False),
-                "a3b, Hadamard-rotated (the format)": a3b_roundtrip}
+    variants = {"fp16": lambda x: x.half().float(), **ROUNDTRIPS}
     results = {}
     for name, roundtrip in variants.items():
         cache["kv"] = roundtrip
@@ -242,10 +254,11 @@ def main(argv: list[str] | None = None) -> None:
             total = b * 131072 * shape.attention_layers / 2**30
             lines.append(f"| {shape.name} | {dtype} | {b:.0f} | {b / fp16:.3f} | {total:.2f} GiB |")
     lines += ["", "Attention output vs fp16 K/V, relative L2 error (Qwen3.6 head shape, Gaussian q/k/v, "
-              "4 key channels x8):", "", "| tokens | A3B K/V, plain | A3B K/V, Hadamard-rotated (the format) |",
-              "|---|---|---|"]
+              "4 key channels x8):", "", "| tokens | " + " | ".join(ROUNDTRIPS) + " |",
+              "|---" * (len(ROUNDTRIPS) + 1) + "|"]
     for t in (512, 2048):
-        lines.append(f"| {t} | {attention_error(QWEN36, t, False):.4f} | {attention_error(QWEN36, t, True):.4f} |")
+        lines.append(f"| {t} | " + " | ".join(f"{attention_error(QWEN36, t, rt):.4f}" for rt in ROUNDTRIPS.values())
+                     + " |")
     print("\n".join(lines), flush=True)
     ppl = kv_quantized_perplexity(args.model, args.eval_tokens)
     lines += ["", f"SmolLM2-135M-Instruct perplexity on {args.eval_tokens} tokens of CPython's language reference "
