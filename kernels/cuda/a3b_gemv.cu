@@ -5,8 +5,7 @@
 // One warp per output row; each lane streams 16 bytes (32 codes) at a time,
 // so the weight is read once, in place, at full width. Pure CUDA: the torch
 // binding (a3b_ops.cpp) calls a3b_gemv_launch.
-#include <cuda_bf16.h>
-#include <cstdint>
+#include "a3b_kernels.h"
 
 namespace {
 
@@ -77,7 +76,6 @@ cudaError_t launch(const __nv_bfloat16* x, const uint8_t* packed, const int8_t* 
 
 }  // namespace
 
-// M in 1..16; group a multiple of 32. Returns cudaErrorInvalidValue otherwise.
 extern "C" cudaError_t a3b_gemv_launch(const __nv_bfloat16* x, const uint8_t* packed, const int8_t* lo,
                                        const uint8_t* step, const uint8_t* delta, const __nv_bfloat16* lo_scale,
                                        const __nv_bfloat16* step_scale, float* y, int M, int N, int K,

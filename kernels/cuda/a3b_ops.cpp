@@ -1,23 +1,9 @@
 // torch binding for the CUDA A3B kernels (built by kernels/cuda/__init__.py
 // with torch's extension tooling where torch has CUDA).
 #include <c10/cuda/CUDAStream.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <torch/extension.h>
 
-extern "C" cudaError_t a3b_gemv_launch(const __nv_bfloat16* x, const uint8_t* packed, const int8_t* lo,
-                                       const uint8_t* step, const uint8_t* delta, const __nv_bfloat16* lo_scale,
-                                       const __nv_bfloat16* step_scale, float* y, int M, int N, int K,
-                                       int n_kblocks, int group, cudaStream_t stream);
-
-extern "C" int a3b_paged_decode_warps();
-extern "C" cudaError_t a3b_paged_decode_launch(const float* q, const uint8_t* k_codes,
-                                               const __half* k_meta, const uint8_t* v_codes, const __half* v_meta,
-                                               const int32_t* block_tables,
-                                               const int32_t* seq_lens, float* m_out, float* l_out, float* acc_out,
-                                               int batch, int heads, int kv_heads, int head_dim, int group,
-                                               int block_size, int max_pages, int pages_per_split, int splits,
-                                               float sm_scale, cudaStream_t stream);
+#include "a3b_kernels.h"
 
 torch::Tensor a3b_gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor lo, torch::Tensor step,
                        torch::Tensor delta, torch::Tensor lo_scale, torch::Tensor step_scale, int64_t group) {

@@ -11,13 +11,23 @@
 // online softmax. Every warp writes its (m, l, acc) as a partial; the caller
 // merges partials (kernels/kv_cache.py merge_splits). Pure CUDA: the torch
 // binding (a3b_ops.cpp) calls a3b_paged_decode_launch.
-#include <cuda_fp16.h>
-#include <cstdint>
+#include "a3b_kernels.h"
 
 namespace {
 
 constexpr int kWarp = 32;
 constexpr int kWarps = 4;
+
+// The kChannels values of one lane's channels of a cached K or V row.
+template <int kChannels>
+__device__ __forceinline__ void dequant_lane(const uint8_t* codes, const __half* meta, float* out) {
+  const float lo = __half2float(meta[0]), st = __half2float(meta[1]), d = __half2float(meta[2]);
+#pragma unroll
+  for (int i = 0; i < kChannels; ++i) {
+    const int code = (codes[i / 2] >> (4 * (i & 1))) & 0xF;
+    out[i] = lo + (code >> 1) * st + ((code & 1) ? d : -d);
+  }
+}
 
 template <int D, int QG>
 __global__ void __launch_bounds__(kWarps* kWarp)
@@ -58,17 +68,8 @@ __global__ void __launch_bounds__(kWarps* kWarp)
     const size_t row = (static_cast<size_t>(phys) * block_size + t % block_size) * kv_heads + h;
     const size_t meta = (row * groups + c0 / group) * 3;
 
-    float key[kChannels];
-    {
-      const float lo = __half2float(k_meta[meta]), st = __half2float(k_meta[meta + 1]),
-                  d = __half2float(k_meta[meta + 2]);
-      const uint8_t* codes = k_codes + row * (D / 2) + c0 / 2;
-#pragma unroll
-      for (int i = 0; i < kChannels; ++i) {
-        const int code = (codes[i / 2] >> (4 * (i & 1))) & 0xF;
-        key[i] = lo + (code >> 1) * st + ((code & 1) ? d : -d);
-      }
-    }
+    float key[kChannels], value[kChannels];
+    dequant_lane<kChannels>(k_codes + row * (D / 2) + c0 / 2, k_meta + meta, key);
     float p[QG];
 #pragma unroll
     for (int g = 0; g < QG; ++g) {
@@ -85,15 +86,11 @@ __global__ void __launch_bounds__(kWarps* kWarp)
 #pragma unroll
       for (int i = 0; i < kChannels; ++i) acc[g][i] *= alpha;
     }
-    const float lo = __half2float(v_meta[meta]), st = __half2float(v_meta[meta + 1]),
-                d = __half2float(v_meta[meta + 2]);
-    const uint8_t* codes = v_codes + row * (D / 2) + c0 / 2;
+    dequant_lane<kChannels>(v_codes + row * (D / 2) + c0 / 2, v_meta + meta, value);
 #pragma unroll
     for (int i = 0; i < kChannels; ++i) {
-      const int code = (codes[i / 2] >> (4 * (i & 1))) & 0xF;
-      const float value = lo + (code >> 1) * st + ((code & 1) ? d : -d);
 #pragma unroll
-      for (int g = 0; g < QG; ++g) acc[g][i] += p[g] * value;
+      for (int g = 0; g < QG; ++g) acc[g][i] += p[g] * value[i];
     }
   }
 
@@ -143,11 +140,8 @@ cudaError_t launch_qg(int qg, const float* q, const uint8_t* k_codes, const __ha
 
 }  // namespace
 
-// Partials per (sequence, KV head): splits * a3b_paged_decode_warps() of them.
 extern "C" int a3b_paged_decode_warps() { return kWarps; }
 
-// head_dim D in {64, 128, 256}; query heads per KV head in {1, 2, 4, 8, 16};
-// group a multiple of D / 32 dividing D. Returns cudaErrorInvalidValue otherwise.
 extern "C" cudaError_t a3b_paged_decode_launch(const float* q, const uint8_t* k_codes,
                                                const __half* k_meta, const uint8_t* v_codes, const __half* v_meta,
                                                const int32_t* block_tables,
