@@ -43,11 +43,11 @@ class AttentionShape:
     attention_layers: int
 
 
-# SmolLM2-135M from its config.json; Qwen3.6-35B-A3B: Qwen3.5-family hybrid
-# layout (head_dim 256, every 4th of 40 layers full attention), 2 KV heads
-# assumed until the checkpoint's config.json is read on the GPU host.
+# SmolLM2-135M from its config.json; Qwen3.6-35B-A3B from its model card:
+# 40 layers as 10 x (3 Gated DeltaNet + 1 Gated Attention), the attention
+# layers with 16 query and 2 KV heads of head_dim 256.
 SMOLLM2 = AttentionShape("SmolLM2-135M", kv_heads=3, head_dim=64, attention_layers=30)
-QWEN36 = AttentionShape("Qwen3.6-35B-A3B (assumed 2 KV heads)", kv_heads=2, head_dim=256, attention_layers=10)
+QWEN36 = AttentionShape("Qwen3.6-35B-A3B", kv_heads=2, head_dim=256, attention_layers=10)
 
 
 def bytes_per_token_layer(shape: AttentionShape, dtype: str, group: int = GROUP) -> float:
