@@ -35,14 +35,22 @@ def case(m: int, n: int, k: int, seed: int):
 
 @pytest.mark.parametrize("m", [1, 4, 16, 33])
 @pytest.mark.parametrize("n, k", [(64, 256), (96, 384), (40, 200)])
-def test_triton_a3b_matmul_matches_reference(m, n, k):
+@pytest.mark.parametrize("split_k", [1, None], ids=["stored", "split-k"])
+def test_triton_a3b_matmul_matches_reference(m, n, k, split_k):
     x, q = case(m, n, k, seed=torch.seed() % 2**31)
     expected = reference.a3b_matmul(x, q, CONFIG)
-    got = torch.full_like(expected, float("nan"))  # poisoned: an element the kernel skips cannot pass
-    a3b_matmul.a3b_matmul(x, q, CONFIG, out=got)
+    # poisoned: an element the kernel skips cannot pass (split-K zeroes y first and adds partial sums)
+    got = torch.full_like(expected, float("nan"))
+    a3b_matmul.a3b_matmul(x, q, CONFIG, out=got, split_k=split_k)
     assert not got.isnan().any()
     # both accumulate in float32 from the same bf16 inputs and table values: summation order only
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+def test_decode_calls_split_k_to_fill_the_gpu():
+    assert a3b_matmul.split_k_for(programs=2, n_kblocks=64) == 64
+    assert a3b_matmul.split_k_for(programs=128, n_kblocks=64) == 3
+    assert a3b_matmul.split_k_for(programs=512, n_kblocks=64) == 1
 
 
 def test_triton_kernel_refuses_tiles():

@@ -17,6 +17,9 @@ import triton.language as tl
 
 from a3b_backend.quant.format import A3BConfig, A3BWeight
 
+# ~2 programs per SM of an H100/H200 (132 SMs): what decode-sized calls split K to reach
+TARGET_PROGRAMS = 264
+
 
 @triton.jit
 def dequant_tile(packed_ptr, lo_ptr, step_ptr, delta_ptr, lo_scale, step_scale, cols, col_ok, kb, K, n_kblocks,
@@ -43,14 +46,14 @@ def dequant_tile(packed_ptr, lo_ptr, step_ptr, delta_ptr, lo_scale, step_scale, 
 
 @triton.jit
 def a3b_accumulate(x_ptr, x_rows, row_ok, packed_ptr, lo_ptr, step_ptr, delta_ptr, lo_scale_ptr, step_scale_ptr,
-                   cols, col_ok, K, n_kblocks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   cols, col_ok, K, n_kblocks, kb_start, kb_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    GROUP: tl.constexpr):
-    """float32 [BLOCK_M, BLOCK_N] = x[x_rows, :] @ W[cols, :]^T over all of K."""
+    """float32 [BLOCK_M, BLOCK_N] = x[x_rows, :] @ W[cols, :]^T over K blocks kb_start..kb_end-1."""
     half = tl.arange(0, GROUP // 2)
     lo_scale = tl.load(lo_scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     step_scale = tl.load(step_scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, n_kblocks):
+    for kb in range(kb_start, kb_end):
         w_even, w_odd = dequant_tile(packed_ptr, lo_ptr, step_ptr, delta_ptr, lo_scale, step_scale, cols, col_ok,
                                      kb, K, n_kblocks, GROUP)
         k_even = kb * GROUP + 2 * half
@@ -66,27 +69,47 @@ def a3b_accumulate(x_ptr, x_rows, row_ok, packed_ptr, lo_ptr, step_ptr, delta_pt
 @triton.jit
 def _a3b_matmul_kernel(x_ptr, packed_ptr, lo_ptr, step_ptr, delta_ptr, lo_scale_ptr, step_scale_ptr, y_ptr,
                        M, N, K, n_kblocks,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, SPLIT_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
+    per_split = tl.cdiv(n_kblocks, SPLIT_K)
+    kb_start = tl.program_id(2) * per_split
+    kb_end = tl.minimum(kb_start + per_split, n_kblocks)
     acc = a3b_accumulate(x_ptr, rows, row_ok, packed_ptr, lo_ptr, step_ptr, delta_ptr, lo_scale_ptr,
-                         step_scale_ptr, cols, col_ok, K, n_kblocks, BLOCK_M, BLOCK_N, GROUP)
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+                         step_scale_ptr, cols, col_ok, K, n_kblocks, kb_start, kb_end, BLOCK_M, BLOCK_N, GROUP)
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=mask)
+    else:
+        tl.atomic_add(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=mask)
+
+
+def split_k_for(programs: int, n_kblocks: int, target: int = TARGET_PROGRAMS) -> int:
+    """K splits that bring `programs` output tiles up to about `target` programs."""
+    return max(1, min(n_kblocks, -(-target // programs)))
 
 
 def a3b_matmul(x: torch.Tensor, q: A3BWeight, config: A3BConfig, out: torch.Tensor | None = None,
-               block_m: int = 16, block_n: int = 32) -> torch.Tensor:
+               block_m: int = 16, block_n: int = 32, split_k: int | None = None) -> torch.Tensor:
     """float32 y[M, N] (into `out` when given). Needs 1 x C blocks (the format's
-    default), C a power of two."""
+    default), C a power of two. Decode-sized calls (M <= 16) have few output
+    tiles, so by default K is split over more programs (partial sums added
+    atomically); `split_k` overrides."""
     if config.block_rows != 1:
         raise ValueError(f"the Triton A3B kernel reads 1xC blocks, not {config.block_rows}x{config.block_cols}")
     N, K = q.shape.tolist()
     M = x.shape[0]
+    n_kblocks = q.lo.shape[1]
     x = x.contiguous()
+    grid_mn = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    if split_k is None:
+        split_k = split_k_for(grid_mn[0] * grid_mn[1], n_kblocks) if M <= 16 else 1
     y = torch.empty(M, N, dtype=torch.float32, device=x.device) if out is None else out
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _a3b_matmul_kernel[grid](x, q.packed, q.lo, q.step, q.delta, q.lo_scale, q.step_scale, y,
-                             M, N, K, q.lo.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, GROUP=config.block_cols)
+    if split_k > 1:
+        y.zero_()
+    _a3b_matmul_kernel[(*grid_mn, split_k)](x, q.packed, q.lo, q.step, q.delta, q.lo_scale, q.step_scale, y,
+                                            M, N, K, n_kblocks, BLOCK_M=block_m, BLOCK_N=block_n,
+                                            GROUP=config.block_cols, SPLIT_K=split_k)
     return y

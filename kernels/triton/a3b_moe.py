@@ -39,7 +39,7 @@ def _a3b_moe_kernel(x_ptr, sorted_rows_ptr, block_expert_ptr, packed_ptr, lo_ptr
     meta = expert * N * n_kblocks
     acc = a3b_accumulate(x_ptr, x_rows, row_ok, packed_ptr + expert * N * ((K + 1) // 2), lo_ptr + meta,
                          step_ptr + meta, delta_ptr + meta, lo_scale_ptr + expert * N, step_scale_ptr + expert * N,
-                         cols, col_ok, K, n_kblocks, BLOCK_M, BLOCK_N, GROUP)
+                         cols, col_ok, K, n_kblocks, 0, n_kblocks, BLOCK_M, BLOCK_N, GROUP)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
