@@ -1,6 +1,7 @@
 """A3B kernels on a GPU, one run: check, then time (`make bench-gpu`).
 
     python perf/gpu_kernels.py [--out perf/results/gpu] [--iters 50] [--no-cuda-ext]
+    python perf/gpu_kernels.py --smoke --out /tmp/x    # every code path on the CPU, tiny sizes, no figures
 
 1. Checks every kernel against its torch reference on fresh random inputs
    (Triton A3B matmul and grouped MoE, CUDA GEMV, Triton KV write, Triton and
@@ -27,8 +28,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -36,11 +39,31 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 L2_BYTES = 60 << 20
-ROTATE_BYTES = 4 * L2_BYTES  # operands cycled per timed call: several times L2
-SHAPES = [(2048, 512), (512, 2048), (2048, 2048), (8192, 8192)]  # weight [N, K]
-BATCHES = [1, 4, 16, 64]
-CONTEXTS = [8192, 32768, 131072]
-ATTENTION = {"heads": 16, "kv_heads": 2, "head_dim": 256, "block_size": 16, "group": 128}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    device: str
+    shapes: tuple[tuple[int, int], ...]  # weights [N, K]
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    iters: int
+    rotate_bytes: int  # operands cycled per timed call
+    copy_bytes: int
+    check_hidden: int  # checks: matmul K and MoE hidden size
+    check_lens: tuple[int, ...]  # checks: cached tokens per sequence
+    attention: tuple[int, int, int] = (16, 2, 256)  # query heads, KV heads, head_dim (Qwen3.6's)
+    block_size: int = 16
+    group: int = 128
+
+
+GPU = Plan("cuda", shapes=((2048, 512), (512, 2048), (2048, 2048), (8192, 8192)), batches=(1, 4, 16, 64),
+           contexts=(8192, 32768, 131072), iters=50, rotate_bytes=4 * L2_BYTES, copy_bytes=1 << 30,
+           check_hidden=2048, check_lens=(17, 700, 2100))
+# Every code path on the CPU, under Triton's interpreter at tiny sizes: `make test` runs it so the
+# first GPU session does not spend its minutes on a broken script.
+SMOKE = Plan("cpu", shapes=((64, 256),), batches=(1, 17), contexts=(64,), iters=2, rotate_bytes=1 << 16,
+             copy_bytes=1 << 20, check_hidden=256, check_lens=(5, 40), attention=(4, 2, 64), group=64)
 
 
 @dataclasses.dataclass
@@ -58,41 +81,45 @@ class Timing:
 
 
 # --------------------------------------------------------------------------- timing
-def time_us(fn: Callable[[int], object], iters: int, warmup: int = 5) -> float:
-    """Median microseconds of fn(i) over iters calls, each timed with CUDA events."""
+def time_us(plan: Plan, fn: Callable[[int], object], warmup: int = 5) -> float:
+    """Median microseconds of fn(i) over plan.iters calls, each timed with CUDA
+    events (a wall clock on the CPU)."""
     import torch
 
-    for i in range(warmup):
+    for i in range(warmup if plan.device == "cuda" else 1):
         fn(i)
-    torch.cuda.synchronize()
     samples = []
-    for i in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    for i in range(plan.iters):
+        if plan.device != "cuda":
+            start = time.perf_counter()
+            fn(warmup + i)
+            samples.append((time.perf_counter() - start) * 1e6)
+            continue
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
         fn(warmup + i)
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
+        samples.append(begin.elapsed_time(end) * 1e3)
     return statistics.median(samples)
 
 
-def copies(make: Callable[[], object], nbytes: int) -> list:
+def copies(plan: Plan, make: Callable[[], object], nbytes: int) -> list:
     """Enough independent copies of an operand that cycling through them defeats L2."""
-    return [make() for _ in range(max(2, -(-ROTATE_BYTES // max(nbytes, 1))))]
+    return [make() for _ in range(max(2, -(-plan.rotate_bytes // max(nbytes, 1))))]
 
 
-def copy_bandwidth(iters: int) -> float:
-    """GB/s of a 1 GiB device-to-device copy, counting bytes read + written."""
+def copy_bandwidth(plan: Plan) -> float:
+    """GB/s of a device-to-device copy, counting bytes read + written."""
     import torch
 
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    src = torch.empty(plan.copy_bytes, dtype=torch.uint8, device=plan.device)
     dst = torch.empty_like(src)
-    us = time_us(lambda i: dst.copy_(src), iters)
-    return 2 * src.numel() / us / 1e3
+    return 2 * src.numel() / time_us(plan, lambda i: dst.copy_(src)) / 1e3
 
 
 # --------------------------------------------------------------------------- checks
-def checks(cuda_ext: bool) -> list[tuple[str, float, bool]]:
+def checks(plan: Plan, cuda_ext: bool) -> list[tuple[str, float, bool]]:
     """(kernel, max abs error relative to the reference's max, passed) on fresh random inputs."""
     import torch
 
@@ -100,67 +127,64 @@ def checks(cuda_ext: bool) -> list[tuple[str, float, bool]]:
     from kernels import kv_cache, reference
     from kernels.triton import a3b_kv, a3b_matmul, a3b_moe
 
-    config = A3BConfig(1, 128, iterations=2)
+    dev, hidden = plan.device, plan.check_hidden
+    config = A3BConfig(1, plan.group, iterations=2)
     results = []
 
     def record(name, got, expected, tol):
         err = ((got.float().cpu() - expected.float().cpu()).abs().max() / expected.abs().max()).item()
         results.append((name, err, bool(torch.isfinite(got).all()) and err <= tol))
 
+    def to_device(w):
+        return type(w)(**{k: v if k == "shape" else v.to(dev) for k, v in vars(w).items()})
+
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
-    w = torch.randn(1024, 2048, generator=g) * 0.05
-    q = quantize(w, config)
-    q_gpu = type(q)(**{k: v if k == "shape" else v.cuda() for k, v in vars(q).items()})
+    q = quantize(torch.randn(hidden // 2, hidden, generator=g) * 0.05, config)
     for m in (1, 16, 64):
-        x = torch.randn(m, 2048, generator=g).to(torch.bfloat16)
+        x = torch.randn(m, hidden, generator=g).to(torch.bfloat16)
         expected = reference.a3b_matmul(x, q, config)
-        record(f"triton a3b_matmul M={m}", a3b_matmul.a3b_matmul(x.cuda(), q_gpu, config, block_m=16), expected, 1e-3)
+        record(f"triton a3b_matmul M={m}", a3b_matmul.a3b_matmul(x.to(dev), to_device(q), config), expected, 1e-3)
         if cuda_ext and m <= 16:
             from kernels import cuda
 
-            record(f"cuda a3b_gemv M={m}", cuda.a3b_gemv(x.cuda(), q_gpu, config), expected, 1e-3)
+            record(f"cuda a3b_gemv M={m}", cuda.a3b_gemv(x.to(dev), to_device(q), config), expected, 1e-3)
 
-    experts = 8
-    w13 = [quantize(torch.randn(1024, 2048, generator=g) * 0.05, config) for _ in range(experts)]
-    w2 = [quantize(torch.randn(2048, 512, generator=g) * 0.05, config) for _ in range(experts)]
-    stack = {name: {k: torch.stack([getattr(e, k) for e in ws]).cuda() for k in a3b_moe.KINDS}
+    experts, inter = 8, hidden // 4
+    w13 = [quantize(torch.randn(2 * inter, hidden, generator=g) * 0.05, config) for _ in range(experts)]
+    w2 = [quantize(torch.randn(hidden, inter, generator=g) * 0.05, config) for _ in range(experts)]
+    stack = {name: {k: torch.stack([getattr(e, k) for e in ws]).to(dev) for k in a3b_moe.KINDS}
              for name, ws in (("w13", w13), ("w2", w2))}
-    x = torch.randn(6, 2048, generator=g).to(torch.bfloat16)
+    x = torch.randn(6, hidden, generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(experts, generator=g)[:4] for _ in range(6)])
     weights = torch.rand(6, 4, generator=g).softmax(-1)
-    record("triton a3b_moe (hidden 2048, expert 512, top 4 of 8)",
-           a3b_moe.a3b_moe(x.cuda(), stack["w13"], stack["w2"], weights.cuda(), ids.cuda(), 128),
+    record(f"triton a3b_moe (hidden {hidden}, expert {inter}, top 4 of 8)",
+           a3b_moe.a3b_moe(x.to(dev), stack["w13"], stack["w2"], weights.to(dev), ids.to(dev), plan.group),
            reference.a3b_moe(x, w13, w2, weights, ids, config), 2e-3)
 
-    shape = ATTENTION
-    lens = torch.tensor([17, 700, 2100])
-    pages = -(-lens // shape["block_size"])
-    caches = {}
-    for kind in ("k", "v"):
-        caches[kind] = kv_cache.PagedA3B.empty(int(pages.sum()), shape["block_size"], shape["kv_heads"],
-                                               shape["head_dim"], shape["group"])
+    heads, kv_heads, dim = plan.attention
+    lens = torch.tensor(plan.check_lens)
+    pages = -(-lens // plan.block_size)
+    caches = {kind: kv_cache.PagedA3B.empty(int(pages.sum()), plan.block_size, kv_heads, dim, plan.group)
+              for kind in ("k", "v")}
     tables = torch.zeros(len(lens), int(pages.max()), dtype=torch.int32)
     start = 0
     for b, n in enumerate(lens.tolist()):
         tables[b, :pages[b]] = torch.arange(start, start + pages[b])
         start += int(pages[b])
-        slots = (tables[b, :pages[b], None] * shape["block_size"] + torch.arange(shape["block_size"])).flatten()[:n]
+        slots = (tables[b, :pages[b], None] * plan.block_size + torch.arange(plan.block_size)).flatten()[:n]
         for kind in ("k", "v"):
-            x_kv = torch.randn(n, shape["kv_heads"], shape["head_dim"], generator=g)
+            x_kv = torch.randn(n, kv_heads, dim, generator=g)
             kv_cache.write(caches[kind], x_kv, slots)
-            if kind == "k" and b == 1:  # the Triton writer against the reference writer
-                written = kv_cache.PagedA3B.empty(*caches[kind].codes.shape[:3], shape["head_dim"], shape["group"],
-                                                  device="cuda")
-                a3b_kv.write(written, x_kv.cuda(), slots.cuda())
-                flat = shape["kv_heads"], shape["head_dim"] // 2
-                same = (written.codes.view(-1, *flat)[slots.cuda()].cpu()
-                        == caches[kind].codes.view(-1, *flat)[slots]).float().mean().item()
-                results.append(("triton a3b_kv.write (share of codes unequal to the reference)", 1 - same,
-                                same > 0.99))
-    qry = torch.randn(len(lens), shape["heads"], shape["head_dim"], generator=g).to(torch.bfloat16)
+        if b == len(lens) - 1:  # the Triton writer against the reference writer, on the last sequence's keys
+            written = kv_cache.PagedA3B.empty(*caches["v"].codes.shape[:3], dim, plan.group, device=dev)
+            a3b_kv.write(written, x_kv.to(dev), slots.to(dev))
+            same = (written.codes.view(-1, kv_heads, dim // 2)[slots.to(dev)].cpu()
+                    == caches["v"].codes.view(-1, kv_heads, dim // 2)[slots]).float().mean().item()
+            results.append(("triton a3b_kv.write (share of codes unequal to the reference)", 1 - same, same > 0.99))
+    qry = torch.randn(len(lens), heads, dim, generator=g).to(torch.bfloat16)
     expected = kv_cache.paged_decode_attention(qry, caches["k"], caches["v"], tables, lens)
-    on_gpu = [kv_cache.PagedA3B(c.codes.cuda(), c.meta.cuda()) for c in (caches["k"], caches["v"])]
-    args = (qry.cuda(), *on_gpu, tables.cuda(), lens.int().cuda())
+    on_device = [kv_cache.PagedA3B(c.codes.to(dev), c.meta.to(dev)) for c in (caches["k"], caches["v"])]
+    args = (qry.to(dev), *on_device, tables.to(dev), lens.int().to(dev))
     record("triton a3b paged decode attention", a3b_kv.paged_decode_attention(*args), expected, 1e-3)
     if cuda_ext:
         from kernels import cuda
@@ -170,13 +194,13 @@ def checks(cuda_ext: bool) -> list[tuple[str, float, bool]]:
 
 
 # --------------------------------------------------------------------------- linear
-def random_a3b(n: int, k: int, device: str = "cuda"):
+def random_a3b(n: int, k: int, group: int, device: str):
     """Random codes and metadata of an [n, k] A3B weight (timing needs no fit)."""
     import torch
 
     from a3b_backend.quant.format import A3BWeight
 
-    blocks = k // 128
+    blocks = k // group
     return A3BWeight(packed=torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device),
                      lo=torch.randint(-127, 128, (n, blocks), dtype=torch.int8, device=device),
                      step=torch.randint(0, 256, (n, blocks), dtype=torch.uint8, device=device),
@@ -186,58 +210,59 @@ def random_a3b(n: int, k: int, device: str = "cuda"):
                      shape=torch.tensor([n, k]))
 
 
-def int4_weight(n: int, k: int):
+def int4_weight(n: int, k: int, device: str):
     """torch's int4 weight-only format: packed weight + bf16 scales/zeros, group 128."""
     import torch
 
-    codes = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda")
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32, device=device)
     packed = torch.ops.aten._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), 8)
-    scales_zeros = torch.randn(k // 128, n, 2, device="cuda").to(torch.bfloat16)
+    scales_zeros = torch.randn(k // 128, n, 2, device=device).to(torch.bfloat16)
     return packed, scales_zeros
 
 
-def time_linear(iters: int, cuda_ext: bool) -> tuple[list[Timing], list[str]]:
+def time_linear(plan: Plan, cuda_ext: bool) -> tuple[list[Timing], list[str]]:
     import torch
 
     from a3b_backend.quant.format import A3BConfig
     from kernels.triton import a3b_matmul
 
-    config = A3BConfig(1, 128)
+    dev = plan.device
+    config = A3BConfig(1, plan.group)
     rows, notes = [], []
-    for n, k in SHAPES:
-        a3b_bytes = random_a3b(n, k).nbytes()
+    for n, k in plan.shapes:
+        a3b_bytes = random_a3b(n, k, plan.group, dev).nbytes()
         dense_bytes = n * k * 2
-        a3b = copies(lambda: random_a3b(n, k), a3b_bytes)
-        dense = copies(lambda: torch.randn(n, k, device="cuda").to(torch.bfloat16), dense_bytes)
+        a3b = copies(plan, lambda: random_a3b(n, k, plan.group, dev), a3b_bytes)
+        dense = copies(plan, lambda: torch.randn(n, k, device=dev).to(torch.bfloat16), dense_bytes)
         try:
-            int4 = copies(lambda: int4_weight(n, k), n * k // 2)
-        except Exception as exc:  # torch build without the int4 kernels for this GPU
-            int4, int4_error = None, f"{type(exc).__name__}: {exc}"[:120]
-        for m in BATCHES:
+            int4, int4_error = copies(plan, lambda: int4_weight(n, k, dev), n * k // 2), ""
+        except Exception as exc:  # a torch build without the int4 kernels for this device
+            int4, int4_error = None, f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
+        for m in plan.batches:
             case = f"{n}x{k} M={m}"
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
             act = m * k * 2
             rows.append(Timing("linear", case, "bf16 cuBLAS",
-                               time_us(lambda i: x @ dense[i % len(dense)].T, iters), dense_bytes + act))
+                               time_us(plan, lambda i: x @ dense[i % len(dense)].T), dense_bytes + act))
             if int4 is None:
                 rows.append(Timing("linear", case, "torch int4", None, n * k // 2, int4_error))
             else:
                 rows.append(Timing("linear", case, "torch int4", time_us(
-                    lambda i: torch.ops.aten._weight_int4pack_mm(x, int4[i % len(int4)][0], 128,
-                                                                 int4[i % len(int4)][1]), iters),
+                    plan, lambda i: torch.ops.aten._weight_int4pack_mm(x, int4[i % len(int4)][0], 128,
+                                                                       int4[i % len(int4)][1])),
                     n * k // 2 + k // 128 * n * 4 + act))
             block_m = 16 if m <= 16 else 64
             rows.append(Timing("linear", case, "A3B Triton", time_us(
-                lambda i: a3b_matmul.a3b_matmul(x, a3b[i % len(a3b)], config, block_m=block_m, block_n=64), iters),
+                plan, lambda i: a3b_matmul.a3b_matmul(x, a3b[i % len(a3b)], config, block_m=block_m, block_n=64)),
                 a3b_bytes + act))
             if cuda_ext and m <= 16:
                 from kernels import cuda
 
                 rows.append(Timing("linear", case, "A3B CUDA GEMV", time_us(
-                    lambda i: cuda.a3b_gemv(x, a3b[i % len(a3b)], config), iters), a3b_bytes + act))
-        notes.append(extra_memory_note(n, k, config))
+                    plan, lambda i: cuda.a3b_gemv(x, a3b[i % len(a3b)], config)), a3b_bytes + act))
+        if dev == "cuda":
+            notes.append(extra_memory_note(n, k, config))
         del a3b, dense, int4
-        torch.cuda.empty_cache()
     return rows, notes
 
 
@@ -247,7 +272,7 @@ def extra_memory_note(n: int, k: int, config) -> str:
 
     from kernels.triton import a3b_matmul
 
-    q, x = random_a3b(n, k), torch.randn(16, k, device="cuda").to(torch.bfloat16)
+    q, x = random_a3b(n, k, config.block_cols, "cuda"), torch.randn(16, k, device="cuda").to(torch.bfloat16)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -260,62 +285,67 @@ def extra_memory_note(n: int, k: int, config) -> str:
 
 
 # --------------------------------------------------------------------------- attention
-def random_paged(tokens: int) -> tuple[object, object, object]:
+def random_paged(plan: Plan, tokens: int) -> tuple[object, object, object]:
     """(k cache, v cache, block table) with random codes/metadata, pages in random order."""
     import torch
 
     from kernels.kv_cache import PagedA3B
 
-    s = ATTENTION
-    pages = -(-tokens // s["block_size"])
+    _, kv_heads, dim = plan.attention
+    pages = -(-tokens // plan.block_size)
     caches = []
     for _ in range(2):
-        c = PagedA3B.empty(pages, s["block_size"], s["kv_heads"], s["head_dim"], s["group"], device="cuda")
+        c = PagedA3B.empty(pages, plan.block_size, kv_heads, dim, plan.group, device=plan.device)
         c.codes.random_(0, 256)
         c.meta.copy_(torch.rand_like(c.meta) * 0.1)
         caches.append(c)
-    table = torch.randperm(pages, device="cuda", dtype=torch.int32)[None]
+    table = torch.randperm(pages, device=plan.device, dtype=torch.int32)[None]
     return caches[0], caches[1], table
 
 
-def time_attention(iters: int, cuda_ext: bool) -> list[Timing]:
+def time_attention(plan: Plan, cuda_ext: bool) -> list[Timing]:
     import torch
 
     from kernels import kv_cache
     from kernels.triton import a3b_kv
 
-    s = ATTENTION
+    dev = plan.device
+    heads, kv_heads, dim = plan.attention
     rows = []
-    for ctx in CONTEXTS:
+    for ctx in plan.contexts:
         case = f"ctx={ctx}"
         a3b_bytes = int(kv_cache.bytes_per_token_layer(
-            kv_cache.AttentionShape("bench", s["kv_heads"], s["head_dim"], 1), "a3b", s["group"]) * ctx)
-        fp16_bytes = 2 * ctx * s["kv_heads"] * s["head_dim"] * 2
-        q = torch.randn(1, s["heads"], s["head_dim"], device="cuda").to(torch.bfloat16)
-        lens = torch.tensor([ctx], dtype=torch.int32, device="cuda")
-        paged = copies(lambda: random_paged(ctx), a3b_bytes)
+            kv_cache.AttentionShape("bench", kv_heads, dim, 1), "a3b", plan.group) * ctx)
+        fp16_bytes = 2 * ctx * kv_heads * dim * 2
+        q = torch.randn(1, heads, dim, device=dev).to(torch.bfloat16)
+        lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
+        paged = copies(plan, lambda: random_paged(plan, ctx), a3b_bytes)
         rows.append(Timing("attention", case, "A3B Triton", time_us(
-            lambda i: a3b_kv.paged_decode_attention(q, paged[i % len(paged)][0], paged[i % len(paged)][1],
-                                                    paged[i % len(paged)][2], lens), iters), a3b_bytes))
+            plan, lambda i: a3b_kv.paged_decode_attention(q, *paged[i % len(paged)][:2], paged[i % len(paged)][2],
+                                                          lens)), a3b_bytes))
         if cuda_ext:
             from kernels import cuda
 
             rows.append(Timing("attention", case, "A3B CUDA", time_us(
-                lambda i: cuda.paged_decode_attention(q, paged[i % len(paged)][0], paged[i % len(paged)][1],
-                                                      paged[i % len(paged)][2], lens), iters), a3b_bytes))
+                plan, lambda i: cuda.paged_decode_attention(q, *paged[i % len(paged)][:2], paged[i % len(paged)][2],
+                                                            lens)), a3b_bytes))
         del paged
-        dense = copies(lambda: (torch.randn(1, s["kv_heads"], ctx, s["head_dim"], device="cuda").half(),
-                                torch.randn(1, s["kv_heads"], ctx, s["head_dim"], device="cuda").half()), fp16_bytes)
+        dense = copies(plan, lambda: (torch.randn(1, kv_heads, ctx, dim, device=dev).half(),
+                                      torch.randn(1, kv_heads, ctx, dim, device=dev).half()), fp16_bytes)
         q16 = q.half()[:, :, None, :]
         rows.append(Timing("attention", case, "fp16 SDPA", time_us(
-            lambda i: torch.nn.functional.scaled_dot_product_attention(
-                q16, dense[i % len(dense)][0], dense[i % len(dense)][1], enable_gqa=True), iters), fp16_bytes))
+            plan, lambda i: torch.nn.functional.scaled_dot_product_attention(
+                q16, dense[i % len(dense)][0], dense[i % len(dense)][1], enable_gqa=True)), fp16_bytes))
         del dense
-        torch.cuda.empty_cache()
     return rows
 
 
 # --------------------------------------------------------------------------- report
+def weight_shapes(rows: list[Timing]) -> list[str]:
+    """The "NxK" weight shapes timed, in order."""
+    return list(dict.fromkeys(r.case.split(" ")[0] for r in rows if r.bench == "linear"))
+
+
 def goals(rows: list[Timing], copy_gbps: float) -> list[str]:
     """The issue's H200 goals, met or missed, from this run's figures."""
     def us(case, variant):
@@ -333,8 +363,8 @@ def goals(rows: list[Timing], copy_gbps: float) -> list[str]:
         out.append(f"GEMV 8192x8192 batch 1: {best.gbps:.0f} GB/s = {share:.0%} of the copy bandwidth "
                    f"(goal >= 80%: {'met' if share >= 0.8 else 'MISSED'})")
     for m in (1, 4, 16):
-        for n, k in SHAPES:
-            case = f"{n}x{k} M={m}"
+        for shape in weight_shapes(rows):
+            case = f"{shape} M={m}"
             a3b = min((r.us for r in rows if r.case == case and r.variant.startswith("A3B") and r.us), default=None)
             int4 = us(case, "torch int4")
             if a3b and int4:
@@ -343,10 +373,11 @@ def goals(rows: list[Timing], copy_gbps: float) -> list[str]:
     return out
 
 
-def markdown(rows: list[Timing], copy_gbps: float, device: str, checked: list, notes: list[str]) -> str:
+def markdown(rows: list[Timing], copy_gbps: float, device: str, checked: list, notes: list[str],
+             plan: Plan = GPU) -> str:
     lines = [f"# A3B kernels on {device}", "",
-             "Command: `make bench-gpu` (perf/gpu_kernels.py). Median of CUDA-event-timed calls, operands rotated "
-             f"through >= {ROTATE_BYTES >> 20} MB so L2 does not serve them.", "",
+             "Command: `make bench-gpu` (perf/gpu_kernels.py). Median of timed calls (CUDA events on a GPU), "
+             f"operands rotated through >= {plan.rotate_bytes / 2**20:g} MiB so L2 does not serve them.", "",
              f"Device-to-device copy: {copy_gbps:.0f} GB/s (read + write).", "", "## Checks against the torch reference",
              "", "| kernel | max error / max reference | passed |", "|---|---|---|"]
     lines += [f"| {name} | {err:.2e} | {'yes' if ok else 'NO'} |" for name, err, ok in checked]
@@ -369,14 +400,15 @@ def plot(rows: list[Timing], copy_gbps: float, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(SHAPES) + 1, figsize=(5 * (len(SHAPES) + 1), 4))
-    for ax, (n, k) in zip(axes, SHAPES):
+    shapes = weight_shapes(rows)
+    fig, axes = plt.subplots(1, len(shapes) + 1, figsize=(5 * (len(shapes) + 1), 4))
+    for ax, shape in zip(axes, shapes):
         for variant in sorted({r.variant for r in rows if r.bench == "linear"}):
             points = [(int(r.case.split("M=")[1]), r.us) for r in rows
-                      if r.bench == "linear" and r.variant == variant and r.case.startswith(f"{n}x{k} ") and r.us]
+                      if r.bench == "linear" and r.variant == variant and r.case.startswith(f"{shape} ") and r.us]
             if points:
                 ax.plot(*zip(*points), marker="o", label=variant)
-        ax.set(title=f"W {n}x{k}", xlabel="batch M", ylabel="us (median)", xscale="log", yscale="log")
+        ax.set(title=f"W {shape}", xlabel="batch M", ylabel="us (median)", xscale="log", yscale="log")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     ax = axes[-1]
@@ -385,7 +417,7 @@ def plot(rows: list[Timing], copy_gbps: float, path: Path) -> None:
                   if r.bench == "attention" and r.variant == variant and r.us]
         if points:
             ax.plot(*zip(*points), marker="o", label=variant)
-    ax.set(title="decode attention (16 q / 2 kv heads, d 256)", xlabel="context tokens", ylabel="us (median)",
+    ax.set(title="paged decode attention", xlabel="context tokens", ylabel="us (median)",
            xscale="log", yscale="log")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
@@ -396,9 +428,9 @@ def plot(rows: list[Timing], copy_gbps: float, path: Path) -> None:
 
 
 def write_report(out: Path, rows: list[Timing], copy_gbps: float, device: str, checked: list,
-                 notes: list[str]) -> None:
+                 notes: list[str], plan: Plan = GPU) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_kernels.md").write_text(markdown(rows, copy_gbps, device, checked, notes))
+    (out / "gpu_kernels.md").write_text(markdown(rows, copy_gbps, device, checked, notes, plan))
     (out / "gpu_kernels.json").write_text(json.dumps(
         {"device": device, "copy_gbps": copy_gbps, "checks": checked, "notes": notes,
          "timings": [dataclasses.asdict(r) | {"gbps": r.gbps} for r in rows]}, indent=1))
@@ -408,35 +440,39 @@ def write_report(out: Path, rows: list[Timing], copy_gbps: float, device: str, c
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "gpu")
-    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--iters", type=int, default=GPU.iters)
     parser.add_argument("--no-cuda-ext", action="store_true", help="skip building and timing the CUDA C++ kernels")
+    parser.add_argument("--smoke", action="store_true",
+                        help="every code path on the CPU at tiny sizes, under Triton's interpreter (no figures)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' modules are imported
     import torch
-
-    if not torch.cuda.is_available():
-        print("perf/gpu_kernels.py needs a CUDA GPU and torch with CUDA; this machine has neither "
-              f"(torch {torch.__version__})", file=sys.stderr)
-        return 2
     import triton
 
-    device = (f"{torch.cuda.get_device_name()} (torch {torch.__version__}, Triton {triton.__version__}, "
-              f"CUDA {torch.version.cuda})")
+    plan = dataclasses.replace(SMOKE if args.smoke else GPU, iters=SMOKE.iters if args.smoke else args.iters)
+    if plan.device == "cuda" and not torch.cuda.is_available():
+        print("perf/gpu_kernels.py needs a CUDA GPU and torch with CUDA; this machine has neither "
+              f"(torch {torch.__version__}); --smoke runs its code paths on the CPU", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name() if plan.device == "cuda" else "CPU, Triton interpreter (smoke run)"
+    device = f"{name} (torch {torch.__version__}, Triton {triton.__version__}, CUDA {torch.version.cuda})"
     print(f"device: {device}", flush=True)
-    cuda_ext = not args.no_cuda_ext
+    cuda_ext = plan.device == "cuda" and not args.no_cuda_ext
     if cuda_ext:
         print("building the CUDA C++ kernels (torch extension)...", flush=True)
         from kernels import cuda
 
         cuda.ops()
-    checked = checks(cuda_ext)
-    for name, err, ok in checked:
-        print(f"check {name}: {err:.2e} {'ok' if ok else 'FAILED'}", flush=True)
-    copy_gbps = copy_bandwidth(args.iters)
+    checked = checks(plan, cuda_ext)
+    for check, err, ok in checked:
+        print(f"check {check}: {err:.2e} {'ok' if ok else 'FAILED'}", flush=True)
+    copy_gbps = copy_bandwidth(plan)
     print(f"copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
-    rows, notes = time_linear(args.iters, cuda_ext)
-    rows += time_attention(args.iters, cuda_ext)
-    write_report(args.out, rows, copy_gbps, device, checked, notes)
-    print(markdown(rows, copy_gbps, device, checked, notes))
+    rows, notes = time_linear(plan, cuda_ext)
+    rows += time_attention(plan, cuda_ext)
+    write_report(args.out, rows, copy_gbps, device, checked, notes, plan)
+    print(markdown(rows, copy_gbps, device, checked, notes, plan))
     print(f"wrote {args.out}/gpu_kernels.{{md,json,png}}")
     return 0 if all(ok for _, _, ok in checked) else 1
 

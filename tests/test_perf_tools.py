@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -192,3 +193,15 @@ def test_gpu_kernel_benchmark_says_why_it_cannot_run_without_a_gpu(capsys):
 
     assert bench.main([]) == 2
     assert "needs a CUDA GPU and torch with CUDA" in capsys.readouterr().err
+
+
+def test_gpu_kernel_benchmark_smoke_run_passes_every_code_path(tmp_path):
+    """The whole script on the CPU at tiny sizes (Triton's interpreter), so the
+    first GPU session does not spend its minutes on a broken script."""
+    done = subprocess.run([sys.executable, str(ROOT / "perf" / "gpu_kernels.py"), "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    md = (tmp_path / "gpu_kernels.md").read_text()
+    assert md.count("| yes |") == 6 and "| NO |" not in md  # matmul x3, MoE, KV write, attention
+    for variant in ("bf16 cuBLAS", "torch int4", "A3B Triton", "fp16 SDPA"):
+        assert f"| {variant} |" in md
