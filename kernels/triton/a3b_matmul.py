@@ -7,7 +7,8 @@ docs/a3b_format.md computed rather than gathered.
 Even and odd columns are handled as two half-width tiles (one per nibble), so
 the codes are never interleaved in registers: acc += x_even @ w_even^T +
 x_odd @ w_odd^T. Decode (M = 1..16) and prefill use the same kernel; M is
-tiled by BLOCK_M >= 16 for tl.dot.
+tiled by BLOCK_M >= 16 for tl.dot (fp32 for decode, fp16 tensor cores with
+fp32 accumulation for prefill).
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from a3b_backend.quant.format import A3BConfig, A3BWeight
 
 # ~2 programs per SM of an H100/H200 (132 SMs): what decode-sized calls split K to reach
 TARGET_PROGRAMS = 264
+DECODE_ROWS = 16  # up to this many rows a call is bound by reading the weight
+FP16_MAX: tl.constexpr = 65504.0
 
 
 @triton.jit
@@ -47,8 +50,12 @@ def dequant_tile(packed_ptr, lo_ptr, step_ptr, delta_ptr, lo_scale, step_scale, 
 @triton.jit
 def a3b_accumulate(x_ptr, x_rows, row_ok, packed_ptr, lo_ptr, step_ptr, delta_ptr, lo_scale_ptr, step_scale_ptr,
                    cols, col_ok, K, n_kblocks, kb_start, kb_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   GROUP: tl.constexpr):
-    """float32 [BLOCK_M, BLOCK_N] = x[x_rows, :] @ W[cols, :]^T over K blocks kb_start..kb_end-1."""
+                   GROUP: tl.constexpr, DOT_FP16: tl.constexpr):
+    """float32 [BLOCK_M, BLOCK_N] = x[x_rows, :] @ W[cols, :]^T over K blocks kb_start..kb_end-1.
+    DOT_FP16: x and the dequantized tile go to the tensor cores as fp16 (x
+    clamped to fp16's range), fp32 accumulation; otherwise an fp32 dot. fp16
+    rather than bf16: more mantissa for the table values, and Triton's
+    interpreter, which CI runs these kernels in, computes bf16 dots wrongly."""
     half = tl.arange(0, GROUP // 2)
     lo_scale = tl.load(lo_scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     step_scale = tl.load(step_scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -61,15 +68,22 @@ def a3b_accumulate(x_ptr, x_rows, row_ok, packed_ptr, lo_ptr, step_ptr, delta_pt
                          mask=row_ok[:, None] & (k_even < K)[None, :], other=0.0).to(tl.float32)
         x_odd = tl.load(x_ptr + x_rows[:, None] * K + (k_even + 1)[None, :],
                         mask=row_ok[:, None] & (k_even + 1 < K)[None, :], other=0.0).to(tl.float32)
-        acc += tl.dot(x_even, tl.trans(w_even), input_precision="ieee")
-        acc += tl.dot(x_odd, tl.trans(w_odd), input_precision="ieee")
+        if DOT_FP16:
+            x_even = tl.clamp(x_even, -FP16_MAX, FP16_MAX).to(tl.float16)
+            x_odd = tl.clamp(x_odd, -FP16_MAX, FP16_MAX).to(tl.float16)
+            acc += tl.dot(x_even, tl.trans(w_even.to(tl.float16)))
+            acc += tl.dot(x_odd, tl.trans(w_odd.to(tl.float16)))
+        else:
+            acc += tl.dot(x_even, tl.trans(w_even), input_precision="ieee")
+            acc += tl.dot(x_odd, tl.trans(w_odd), input_precision="ieee")
     return acc
 
 
 @triton.jit
 def _a3b_matmul_kernel(x_ptr, packed_ptr, lo_ptr, step_ptr, delta_ptr, lo_scale_ptr, step_scale_ptr, y_ptr,
                        M, N, K, n_kblocks,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, SPLIT_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, SPLIT_K: tl.constexpr,
+                       DOT_FP16: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
@@ -78,7 +92,8 @@ def _a3b_matmul_kernel(x_ptr, packed_ptr, lo_ptr, step_ptr, delta_ptr, lo_scale_
     kb_start = tl.program_id(2) * per_split
     kb_end = tl.minimum(kb_start + per_split, n_kblocks)
     acc = a3b_accumulate(x_ptr, rows, row_ok, packed_ptr, lo_ptr, step_ptr, delta_ptr, lo_scale_ptr,
-                         step_scale_ptr, cols, col_ok, K, n_kblocks, kb_start, kb_end, BLOCK_M, BLOCK_N, GROUP)
+                         step_scale_ptr, cols, col_ok, K, n_kblocks, kb_start, kb_end, BLOCK_M, BLOCK_N, GROUP,
+                         DOT_FP16)
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K == 1:
         tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=mask)
@@ -92,11 +107,14 @@ def split_k_for(programs: int, n_kblocks: int, target: int = TARGET_PROGRAMS) ->
 
 
 def a3b_matmul(x: torch.Tensor, q: A3BWeight, config: A3BConfig, out: torch.Tensor | None = None,
-               block_m: int = 16, block_n: int = 32, split_k: int | None = None) -> torch.Tensor:
+               block_m: int = 16, block_n: int = 32, split_k: int | None = None,
+               dot_fp16: bool | None = None) -> torch.Tensor:
     """float32 y[M, N] (into `out` when given). Needs 1 x C blocks (the format's
-    default), C a power of two. Decode-sized calls (M <= 16) have few output
-    tiles, so by default K is split over more programs (partial sums added
-    atomically); `split_k` overrides."""
+    default), C a power of two. Decode-sized calls (M <= 16) are bound by
+    reading the weight: by default they split K over more programs (partial
+    sums added atomically) and keep an fp32 dot. Larger M is bound by compute:
+    the dequantized tiles go through fp16 tensor-core dots. `split_k` and
+    `dot_fp16` override."""
     if config.block_rows != 1:
         raise ValueError(f"the Triton A3B kernel reads 1xC blocks, not {config.block_rows}x{config.block_cols}")
     N, K = q.shape.tolist()
@@ -105,11 +123,13 @@ def a3b_matmul(x: torch.Tensor, q: A3BWeight, config: A3BConfig, out: torch.Tens
     x = x.contiguous()
     grid_mn = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     if split_k is None:
-        split_k = split_k_for(grid_mn[0] * grid_mn[1], n_kblocks) if M <= 16 else 1
+        split_k = split_k_for(grid_mn[0] * grid_mn[1], n_kblocks) if M <= DECODE_ROWS else 1
+    if dot_fp16 is None:
+        dot_fp16 = M > DECODE_ROWS
     y = torch.empty(M, N, dtype=torch.float32, device=x.device) if out is None else out
     if split_k > 1:
         y.zero_()
     _a3b_matmul_kernel[(*grid_mn, split_k)](x, q.packed, q.lo, q.step, q.delta, q.lo_scale, q.step_scale, y,
                                             M, N, K, n_kblocks, BLOCK_M=block_m, BLOCK_N=block_n,
-                                            GROUP=config.block_cols, SPLIT_K=split_k)
+                                            GROUP=config.block_cols, SPLIT_K=split_k, DOT_FP16=dot_fp16)
     return y
