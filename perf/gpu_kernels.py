@@ -7,9 +7,10 @@
    (Triton A3B matmul and grouped MoE, CUDA GEMV, Triton KV write, Triton and
    CUDA paged decode attention); a mismatch is reported and the run exits 1
    after timing.
-2. Times with CUDA events, median of --iters calls, each call on the next of
-   several copies of its operands that together exceed L2 several times (an
-   A3B 8192x8192 weight, 34 MB, would otherwise be timed from the 60 MB L2):
+2. Times --iters calls captured in a CUDA graph (no host launch overhead),
+   each call on the next of several copies of its operands that together
+   exceed L2 several times (an A3B 8192x8192 weight, 34 MB, would otherwise be
+   timed from the 60 MB L2); CUDA events around graph replays, median of 5:
    - A3B GEMV/GEMM (Triton; CUDA GEMV at batch <= 16) vs torch bf16 matmul
      (cuBLAS) vs torch's int4 weight-only matmul (_weight_int4pack_mm, group
      128), batch 1/4/16/64, weights [N, K] = 2048x512, 512x2048, 2048x2048,
@@ -81,23 +82,48 @@ class Timing:
 
 
 # --------------------------------------------------------------------------- timing
-def time_us(plan: Plan, fn: Callable[[int], object], warmup: int = 5) -> float:
-    """Median microseconds of fn(i) over plan.iters calls, each timed with CUDA
-    events (a wall clock on the CPU)."""
+def time_us(plan: Plan, fn: Callable[[int], object], warmup: int = 5, replays: int = 5) -> float:
+    """Microseconds per call of fn(i). On a GPU: plan.iters calls (each on the
+    next rotated operand) captured in a CUDA graph, so host launch overhead
+    does not count, replayed `replays` times between CUDA events; the median
+    replay over plan.iters. Where capture fails, per-call events. On the CPU
+    (smoke run): a wall clock per call."""
     import torch
 
-    for i in range(warmup if plan.device == "cuda" else 1):
+    if plan.device != "cuda":
+        fn(0)
+        samples = []
+        for i in range(plan.iters):
+            start = time.perf_counter()
+            fn(1 + i)
+            samples.append((time.perf_counter() - start) * 1e6)
+        return statistics.median(samples)
+    for i in range(warmup):
         fn(i)
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(plan.iters):
+                fn(i)
+        graph.replay()
+        per_replay = []
+        for _ in range(replays):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            per_replay.append(begin.elapsed_time(end) * 1e3 / plan.iters)
+        return statistics.median(per_replay)
+    except RuntimeError as exc:  # not capturable: time each call, launch overhead included
+        print(f"CUDA graph capture failed ({str(exc).splitlines()[0][:100]}); timing calls one by one", flush=True)
+        torch.cuda.synchronize()
     samples = []
     for i in range(plan.iters):
-        if plan.device != "cuda":
-            start = time.perf_counter()
-            fn(warmup + i)
-            samples.append((time.perf_counter() - start) * 1e6)
-            continue
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
-        fn(warmup + i)
+        fn(i)
         end.record()
         end.synchronize()
         samples.append(begin.elapsed_time(end) * 1e3)
@@ -376,8 +402,8 @@ def goals(rows: list[Timing], copy_gbps: float) -> list[str]:
 def markdown(rows: list[Timing], copy_gbps: float, device: str, checked: list, notes: list[str],
              plan: Plan = GPU) -> str:
     lines = [f"# A3B kernels on {device}", "",
-             "Command: `make bench-gpu` (perf/gpu_kernels.py). Median of timed calls (CUDA events on a GPU), "
-             f"operands rotated through >= {plan.rotate_bytes / 2**20:g} MiB so L2 does not serve them.", "",
+             "Command: `make bench-gpu` (perf/gpu_kernels.py). Per-call time from CUDA-graph replays of "
+             f"{plan.iters} calls (median of 5 replays), operands rotated through >= {plan.rotate_bytes / 2**20:g} MiB so L2 does not serve them.", "",
              f"Device-to-device copy: {copy_gbps:.0f} GB/s (read + write).", "", "## Checks against the torch reference",
              "", "| kernel | max error / max reference | passed |", "|---|---|---|"]
     lines += [f"| {name} | {err:.2e} | {'yes' if ok else 'NO'} |" for name, err, ok in checked]
