@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL_DIR ?= models/smollm2-135m-instruct
 
-.PHONY: setup model serve test test-unit render perf-tools need-venv perf perf-inputs genai-perf locust bench-overload bench-overhead bench-prefix-cache bench-cpu-modes bench-a3b bench-gpu kv-report quality clean
+.PHONY: setup model serve test test-unit render perf-tools need-venv perf perf-inputs genai-perf locust bench-overload bench-overhead bench-prefix-cache bench-shutdown bench-cpu-modes bench-a3b bench-gpu kv-report quality clean
 
 setup:
 	bash scripts/setup.sh
@@ -71,6 +71,10 @@ bench-overload: need-venv perf-tools
 # TTFT on the RAG mix with and without prefix caching (its own engines)
 bench-prefix-cache: setup model
 	$(PY) perf/prefix_cache.py
+
+# SIGTERM with ensemble streams in flight: the drain (starts its own server)
+bench-shutdown: setup model
+	$(PY) perf/shutdown.py
 
 # bare AsyncLLM vs a3b_llm vs ensemble, same prompts, interleaved (starts its own server)
 bench-overhead: setup model

@@ -25,8 +25,8 @@ PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 RAY_PORT = 6379
 EXIT_TIMEOUT_S = 60
 # scripts/serve.sh on SIGTERM: the drain (EXIT_TIMEOUT_S), Triton's own exit
-# timeout after it (20 s), its kill grace (15 s), and a margin.
-SHUTDOWN_BOUND_S = EXIT_TIMEOUT_S + 20 + 15 + 5
+# timeout after it (10 s), its kill grace (5 s), and a margin.
+SHUTDOWN_BOUND_S = EXIT_TIMEOUT_S + 10 + 5 + 5
 MODEL_MOUNT = "/models"
 TLS_MOUNT = "/tls"
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")

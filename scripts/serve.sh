@@ -15,12 +15,14 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 HOST="${A3B_HOST:-127.0.0.1}"
 METRICS_PORT="${A3B_METRICS_PORT:-8002}"
 EXIT_TIMEOUT="${A3B_EXIT_TIMEOUT:-30}"
-# After the drain: Triton's own exit timeout, for requests that outlived it...
-STOP_TIMEOUT=20
+# After the drain: Triton's own exit timeout, for requests that outlived it
+# and the models' unload (vLLM's engine shutdown)...
+STOP_TIMEOUT=10
 # ...and this long again before the server and its children are killed:
-# Triton 2.51 can keep an ensemble request counted in flight after its step
-# was refused during shutdown, and then hang on exit.
-KILL_GRACE=15
+# Triton 2.51 keeps `ensemble` loaded while any client holds a gRPC stream
+# open, even an idle one, and then does not exit by itself. Every request has
+# ended by then, so the kill loses no work.
+KILL_GRACE=5
 PY="${VENV:-$ROOT/.venv}/bin/python"
 [[ -x "$PY" ]] || PY=python3
 # a3b_llm refuses new requests while this file exists (a3b_backend/drain.py).

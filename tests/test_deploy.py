@@ -78,7 +78,7 @@ def test_manifest_serves_the_profile_safely(name):
     admin_key = next(e for e in triton["env"] if e["name"] == "A3B_ADMIN_KEY")
     assert admin_key["valueFrom"]["secretKeyRef"]["name"] == "a3b-triton-admin"
     assert pod["terminationGracePeriodSeconds"] > int(
-        next(e["value"] for e in triton["env"] if e["name"] == "A3B_EXIT_TIMEOUT")) + 20 + 15
+        next(e["value"] for e in triton["env"] if e["name"] == "A3B_EXIT_TIMEOUT")) + 10 + 5
     workers = [d for d in docs if d["kind"] == "StatefulSet"]
     assert len(workers) == (1 if profile.nodes > 1 else 0)
     if workers:

@@ -21,7 +21,7 @@ from served import CAPITAL, stream_infer, text_request, texts
 
 pytestmark = pytest.mark.served
 EXIT_TIMEOUT_S = 30  # scripts/serve.sh drain window (A3B_EXIT_TIMEOUT)
-STOP_BOUND_S = EXIT_TIMEOUT_S + 20 + 15  # + Triton's exit timeout after the drain + serve.sh's kill grace
+STOP_BOUND_S = EXIT_TIMEOUT_S + 10 + 5  # + Triton's exit timeout after the drain + serve.sh's kill grace
 
 
 def test_sigterm_drains_in_flight_streams_refuses_new_ones_and_exits(server):
