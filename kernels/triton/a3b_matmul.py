@@ -21,7 +21,7 @@ from a3b_backend.quant.format import A3BConfig, A3BWeight
 # ~2 programs per SM of an H100/H200 (132 SMs): what decode-sized calls split K to reach
 TARGET_PROGRAMS = 264
 DECODE_ROWS = 16  # up to this many rows a call is bound by reading the weight
-FP16_MAX: tl.constexpr = 65504.0
+FP16_MAX = tl.constexpr(65504.0)
 
 
 @triton.jit
