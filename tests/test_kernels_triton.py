@@ -11,6 +11,7 @@ import torch  # noqa: E402
 
 from a3b_backend.quant.format import A3BConfig, quantize  # noqa: E402
 from kernels import reference  # noqa: E402
+from kernels.occupancy import splits_to_fill  # noqa: E402
 from kernels.triton import a3b_matmul, a3b_moe  # noqa: E402
 
 CONFIG = A3BConfig(1, 128, iterations=2)
@@ -50,9 +51,9 @@ def test_triton_a3b_matmul_matches_reference(m, n, k, split_k, dot_fp16):
 
 
 def test_decode_calls_split_k_to_fill_the_gpu():
-    assert a3b_matmul.split_k_for(programs=2, n_kblocks=64) == 64
-    assert a3b_matmul.split_k_for(programs=128, n_kblocks=64) == 3
-    assert a3b_matmul.split_k_for(programs=512, n_kblocks=64) == 1
+    assert splits_to_fill(tiles=2, max_splits=64, per_sm=2) == 64
+    assert splits_to_fill(tiles=128, max_splits=64, per_sm=2) == 3
+    assert splits_to_fill(tiles=512, max_splits=64, per_sm=2) == 1
 
 
 def test_triton_kernel_refuses_tiles():

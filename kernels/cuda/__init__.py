@@ -10,6 +10,7 @@ import torch
 
 from a3b_backend.quant.format import A3BConfig, A3BWeight
 from kernels.kv_cache import PagedA3B, merge_splits, rotate
+from kernels.occupancy import splits_to_fill
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "a3b_ops.cpp", HERE / "a3b_gemv.cu", HERE / "a3b_paged_attention.cu"]
@@ -35,8 +36,8 @@ def paged_decode_attention(q: torch.Tensor, k: PagedA3B, v: PagedA3B, block_tabl
     """float32 out[batch, heads, head_dim]; same contract as the Triton kernel."""
     batch, heads, dim = q.shape
     kv_heads = k.codes.shape[2]
-    if pages_per_split is None:  # ~4 blocks per SM of an H100/H200
-        splits = max(1, min(block_tables.shape[1], -(-4 * 132 // (batch * kv_heads))))
+    if pages_per_split is None:  # as many splits as the Triton kernel takes
+        splits = splits_to_fill(batch * kv_heads, block_tables.shape[1], per_sm=4)
         pages_per_split = -(-block_tables.shape[1] // splits)
     m, l, acc = ops().a3b_paged_decode(rotate(q), k.codes, k.meta, v.codes, v.meta, block_tables, seq_lens,
                                        pages_per_split, dim ** -0.5 if scale is None else scale)

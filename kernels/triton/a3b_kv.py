@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 
 from kernels.kv_cache import ITERATIONS, PagedA3B, merge_splits, rotate
+from kernels.occupancy import splits_to_fill
+from kernels.triton.a3b_matmul import table_value
 
 
 @triton.jit
@@ -131,11 +133,7 @@ def _dequant_half(codes_ptr, meta_ptr, rows, t_ok, GROUP: tl.constexpr, D: tl.co
     lo = tl.load(meta_ptr + meta, mask=t_ok[:, None], other=0.0).to(tl.float32)
     step = tl.load(meta_ptr + meta + 1, mask=t_ok[:, None], other=0.0).to(tl.float32)
     d = tl.load(meta_ptr + meta + 2, mask=t_ok[:, None], other=0.0).to(tl.float32)
-    c_even = byte & 0xF
-    c_odd = byte >> 4
-    even = lo + (c_even >> 1).to(tl.float32) * step + ((c_even & 1) * 2 - 1).to(tl.float32) * d
-    odd = lo + (c_odd >> 1).to(tl.float32) * step + ((c_odd & 1) * 2 - 1).to(tl.float32) * d
-    return even, odd
+    return table_value(byte & 0xF, lo, step, d), table_value(byte >> 4, lo, step, d)
 
 
 @triton.jit
@@ -188,14 +186,14 @@ def _decode_kernel(q_ptr, k_codes, k_meta, v_codes, v_meta, tables_ptr, lens_ptr
 def paged_decode_attention(q: torch.Tensor, k: PagedA3B, v: PagedA3B, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float | None = None, splits: int | None = None) -> torch.Tensor:
     """float32 out[batch, heads, head_dim]; `splits` per (sequence, KV head)
-    defaults to enough programs to fill a large GPU (~4 per SM of an H100/H200)."""
+    defaults to enough programs to fill the GPU (4 per SM)."""
     batch, heads, dim = q.shape
     kv_heads, block_size = k.codes.shape[2], k.codes.shape[1]
     qg = heads // kv_heads
     qg_p = max(16, triton.next_power_of_2(qg))  # tl.dot needs 16 rows
     max_pages = block_tables.shape[1]
     if splits is None:
-        splits = max(1, min(max_pages, triton.cdiv(4 * 132, batch * kv_heads)))
+        splits = splits_to_fill(batch * kv_heads, max_pages, per_sm=4)
     per_split = triton.cdiv(max_pages, splits)
     splits = triton.cdiv(max_pages, per_split)
     m = torch.empty(batch, kv_heads, splits, qg_p, dtype=torch.float32, device=q.device)

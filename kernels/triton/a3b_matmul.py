@@ -17,11 +17,17 @@ import triton
 import triton.language as tl
 
 from a3b_backend.quant.format import A3BConfig, A3BWeight
+from kernels.occupancy import splits_to_fill
 
-# ~2 programs per SM of an H100/H200 (132 SMs): what decode-sized calls split K to reach
-TARGET_PROGRAMS = 264
 DECODE_ROWS = 16  # up to this many rows a call is bound by reading the weight
 FP16_MAX = tl.constexpr(65504.0)
+
+
+@triton.jit
+def table_value(code, lo, step, d):
+    """Table entries of 4-bit codes (int32): lo + (code >> 1) * step, plus d
+    when the sign bit (code & 1) is set, else minus d."""
+    return lo + (code >> 1).to(tl.float32) * step + ((code & 1) * 2 - 1).to(tl.float32) * d
 
 
 @triton.jit
@@ -38,13 +44,8 @@ def dequant_tile(packed_ptr, lo_ptr, step_ptr, delta_ptr, lo_scale, step_scale, 
     d = step * tl.load(delta_ptr + meta, mask=col_ok, other=0).to(tl.float32) / 255.0
     byte = tl.load(packed_ptr + cols[:, None] * ((K + 1) // 2) + (k_even // 2)[None, :],
                    mask=col_ok[:, None] & (k_even < K)[None, :], other=0).to(tl.int32)
-    c_even = byte & 0xF
-    c_odd = byte >> 4
-    w_even = lo[:, None] + (c_even >> 1).to(tl.float32) * step[:, None] \
-        + ((c_even & 1) * 2 - 1).to(tl.float32) * d[:, None]
-    w_odd = lo[:, None] + (c_odd >> 1).to(tl.float32) * step[:, None] \
-        + ((c_odd & 1) * 2 - 1).to(tl.float32) * d[:, None]
-    return w_even, w_odd
+    return (table_value(byte & 0xF, lo[:, None], step[:, None], d[:, None]),
+            table_value(byte >> 4, lo[:, None], step[:, None], d[:, None]))
 
 
 @triton.jit
@@ -101,11 +102,6 @@ def _a3b_matmul_kernel(x_ptr, packed_ptr, lo_ptr, step_ptr, delta_ptr, lo_scale_
         tl.atomic_add(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=mask)
 
 
-def split_k_for(programs: int, n_kblocks: int, target: int = TARGET_PROGRAMS) -> int:
-    """K splits that bring `programs` output tiles up to about `target` programs."""
-    return max(1, min(n_kblocks, -(-target // programs)))
-
-
 def a3b_matmul(x: torch.Tensor, q: A3BWeight, config: A3BConfig, out: torch.Tensor | None = None,
                block_m: int = 16, block_n: int = 32, split_k: int | None = None,
                dot_fp16: bool | None = None) -> torch.Tensor:
@@ -123,7 +119,7 @@ def a3b_matmul(x: torch.Tensor, q: A3BWeight, config: A3BConfig, out: torch.Tens
     x = x.contiguous()
     grid_mn = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     if split_k is None:
-        split_k = split_k_for(grid_mn[0] * grid_mn[1], n_kblocks) if M <= DECODE_ROWS else 1
+        split_k = splits_to_fill(grid_mn[0] * grid_mn[1], n_kblocks, per_sm=2) if M <= DECODE_ROWS else 1
     if dot_fp16 is None:
         dot_fp16 = M > DECODE_ROWS
     y = torch.empty(M, N, dtype=torch.float32, device=x.device) if out is None else out
