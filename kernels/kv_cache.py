@@ -154,6 +154,34 @@ def paged_decode_attention(q: torch.Tensor, k: PagedA3B, v: PagedA3B, block_tabl
     return rotate(out)
 
 
+@dataclasses.dataclass
+class PagedSequences:
+    """Sequences of random K/V written into A3B caches by the reference, their
+    pages scattered in the cache: the input kernels are checked on."""
+    k: PagedA3B
+    v: PagedA3B
+    tables: torch.Tensor  # int32 [sequences, max pages + 1]: one unused column
+    lens: torch.Tensor
+    values: list[torch.Tensor]  # each sequence's V as written, [n, kv_heads, head_dim]
+    slots: list[torch.Tensor]  # and its slots
+
+
+def random_sequences(lens: list[int], kv_heads: int, dim: int, group: int, g: torch.Generator,
+                     block_size: int = 16) -> PagedSequences:
+    pages = [-(-n // block_size) for n in lens]
+    order = torch.randperm(sum(pages), generator=g)
+    k, v = (PagedA3B.empty(sum(pages), block_size, kv_heads, dim, group) for _ in range(2))
+    tables = torch.zeros(len(lens), max(pages) + 1, dtype=torch.int32)
+    values, slots = [], []
+    for b, (n, count) in enumerate(zip(lens, pages)):
+        tables[b, :count] = order[sum(pages[:b]):sum(pages[:b + 1])]
+        slots.append((tables[b, :count, None] * block_size + torch.arange(block_size)).flatten()[:n])
+        write(k, torch.randn(n, kv_heads, dim, generator=g), slots[-1])
+        values.append(torch.randn(n, kv_heads, dim, generator=g))
+        write(v, values[-1], slots[-1])
+    return PagedSequences(k, v, tables, torch.tensor(lens), values, slots)
+
+
 def merge_splits(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
     """Attention out [..., heads_per_kv, D] from split-K partials: running max m and
     sum l [..., splits, heads_per_kv], unnormalized acc [..., splits, heads_per_kv, D]

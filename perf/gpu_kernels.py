@@ -178,8 +178,7 @@ def checks(plan: Plan, cuda_ext: bool) -> list[tuple[str, float, bool]]:
     experts, inter = 8, hidden // 4
     w13 = [quantize(torch.randn(2 * inter, hidden, generator=g) * 0.05, config) for _ in range(experts)]
     w2 = [quantize(torch.randn(hidden, inter, generator=g) * 0.05, config) for _ in range(experts)]
-    stack = {name: {k: torch.stack([getattr(e, k) for e in ws]).to(dev) for k in a3b_moe.KINDS}
-             for name, ws in (("w13", w13), ("w2", w2))}
+    stack = {name: {k: t.to(dev) for k, t in a3b_moe.stack(ws).items()} for name, ws in (("w13", w13), ("w2", w2))}
     x = torch.randn(6, hidden, generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(experts, generator=g)[:4] for _ in range(6)])
     weights = torch.rand(6, 4, generator=g).softmax(-1)
@@ -188,29 +187,18 @@ def checks(plan: Plan, cuda_ext: bool) -> list[tuple[str, float, bool]]:
            reference.a3b_moe(x, w13, w2, weights, ids, config), 2e-3)
 
     heads, kv_heads, dim = plan.attention
-    lens = torch.tensor(plan.check_lens)
-    pages = -(-lens // plan.block_size)
-    caches = {kind: kv_cache.PagedA3B.empty(int(pages.sum()), plan.block_size, kv_heads, dim, plan.group)
-              for kind in ("k", "v")}
-    tables = torch.zeros(len(lens), int(pages.max()), dtype=torch.int32)
-    start = 0
-    for b, n in enumerate(lens.tolist()):
-        tables[b, :pages[b]] = torch.arange(start, start + pages[b])
-        start += int(pages[b])
-        slots = (tables[b, :pages[b], None] * plan.block_size + torch.arange(plan.block_size)).flatten()[:n]
-        for kind in ("k", "v"):
-            x_kv = torch.randn(n, kv_heads, dim, generator=g)
-            kv_cache.write(caches[kind], x_kv, slots)
-        if b == len(lens) - 1:  # the Triton writer against the reference writer, on the last sequence's keys
-            written = kv_cache.PagedA3B.empty(*caches["v"].codes.shape[:3], dim, plan.group, device=dev)
-            a3b_kv.write(written, x_kv.to(dev), slots.to(dev))
-            same = (written.codes.view(-1, kv_heads, dim // 2)[slots.to(dev)].cpu()
-                    == caches["v"].codes.view(-1, kv_heads, dim // 2)[slots]).float().mean().item()
-            results.append(("triton a3b_kv.write (share of codes unequal to the reference)", 1 - same, same > 0.99))
-    qry = torch.randn(len(lens), heads, dim, generator=g).to(torch.bfloat16)
-    expected = kv_cache.paged_decode_attention(qry, caches["k"], caches["v"], tables, lens)
-    on_device = [kv_cache.PagedA3B(c.codes.to(dev), c.meta.to(dev)) for c in (caches["k"], caches["v"])]
-    args = (qry.to(dev), *on_device, tables.to(dev), lens.int().to(dev))
+    seqs = kv_cache.random_sequences(list(plan.check_lens), kv_heads, dim, plan.group, g, plan.block_size)
+    # the Triton writer against the reference writer, on the last sequence's values
+    written = kv_cache.PagedA3B.empty(*seqs.v.codes.shape[:3], dim, plan.group, device=dev)
+    a3b_kv.write(written, seqs.values[-1].to(dev), seqs.slots[-1].to(dev))
+    slots = seqs.slots[-1]
+    same = (written.codes.view(-1, kv_heads, dim // 2)[slots.to(dev)].cpu()
+            == seqs.v.codes.view(-1, kv_heads, dim // 2)[slots]).float().mean().item()
+    results.append(("triton a3b_kv.write (share of codes unequal to the reference)", 1 - same, same > 0.99))
+    qry = torch.randn(len(seqs.lens), heads, dim, generator=g).to(torch.bfloat16)
+    expected = kv_cache.paged_decode_attention(qry, seqs.k, seqs.v, seqs.tables, seqs.lens)
+    on_device = [kv_cache.PagedA3B(c.codes.to(dev), c.meta.to(dev)) for c in (seqs.k, seqs.v)]
+    args = (qry.to(dev), *on_device, seqs.tables.to(dev), seqs.lens.int().to(dev))
     record("triton a3b paged decode attention", a3b_kv.paged_decode_attention(*args), expected, 1e-3)
     if cuda_ext:
         from kernels import cuda

@@ -44,20 +44,10 @@ def test_cuda_paged_decode_attention_matches_reference(heads, kv_heads, dim):
     from kernels import cuda, kv_cache
 
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
-    block_size, lens = 16, torch.tensor([5, 300, 1000])
-    pages = -(-lens // block_size)
-    k = kv_cache.PagedA3B.empty(int(pages.sum()), block_size, kv_heads, dim, min(128, dim))
-    v = kv_cache.PagedA3B.empty(int(pages.sum()), block_size, kv_heads, dim, min(128, dim))
-    tables = torch.zeros(len(lens), int(pages.max()), dtype=torch.int32)
-    start = 0
-    for b, n in enumerate(lens.tolist()):
-        tables[b, :pages[b]] = torch.arange(start, start + pages[b])
-        start += int(pages[b])
-        slots = (tables[b, :pages[b], None] * block_size + torch.arange(block_size)).flatten()[:n]
-        kv_cache.write(k, torch.randn(n, kv_heads, dim, generator=g), slots)
-        kv_cache.write(v, torch.randn(n, kv_heads, dim, generator=g), slots)
-    q = torch.randn(len(lens), heads, dim, generator=g).to(torch.bfloat16)
-    expected = kv_cache.paged_decode_attention(q, k, v, tables, lens)
-    on_gpu = [kv_cache.PagedA3B(c.codes.cuda(), c.meta.cuda()) for c in (k, v)]
-    got = cuda.paged_decode_attention(q.cuda(), *on_gpu, tables.cuda(), lens.int().cuda(), pages_per_split=7)
+    seqs = kv_cache.random_sequences([5, 300, 1000], kv_heads, dim, min(128, dim), g)
+    q = torch.randn(len(seqs.lens), heads, dim, generator=g).to(torch.bfloat16)
+    expected = kv_cache.paged_decode_attention(q, seqs.k, seqs.v, seqs.tables, seqs.lens)
+    on_gpu = [kv_cache.PagedA3B(c.codes.cuda(), c.meta.cuda()) for c in (seqs.k, seqs.v)]
+    got = cuda.paged_decode_attention(q.cuda(), *on_gpu, seqs.tables.cuda(), seqs.lens.int().cuda(),
+                                      pages_per_split=7)
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-3, atol=1e-3)

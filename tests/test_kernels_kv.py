@@ -89,23 +89,9 @@ def test_triton_write_matches_the_reference_quantizer(dim, group):
                          [(8, 2, 64, 64, 1), (4, 1, 128, 64, 3), (6, 3, 32, 32, None)])
 def test_triton_paged_decode_attention_matches_the_reference(heads, kv_heads, dim, group, splits):
     g = generator()
-    block_size, blocks = 16, 24
-    lens = torch.tensor([1, 37, 80, 16])
-    cache_k = kv_cache.PagedA3B.empty(blocks, block_size, kv_heads, dim, group)
-    cache_v = kv_cache.PagedA3B.empty(blocks, block_size, kv_heads, dim, group)
-    pages = torch.randperm(blocks, generator=g)
-    max_pages = 6
-    tables = torch.zeros(len(lens), max_pages, dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(lens.tolist()):
-        count = -(-n // block_size)
-        tables[b, :count] = pages[used:used + count]
-        used += count
-        slots = (tables[b, :count, None] * block_size + torch.arange(block_size)).flatten()[:n]
-        kv_cache.write(cache_k, torch.randn(n, kv_heads, dim, generator=g), slots)
-        kv_cache.write(cache_v, torch.randn(n, kv_heads, dim, generator=g), slots)
-    q = torch.randn(len(lens), heads, dim, generator=g).to(torch.bfloat16)
-    expected = kv_cache.paged_decode_attention(q, cache_k, cache_v, tables, lens)
-    got = a3b_kv.paged_decode_attention(q, cache_k, cache_v, tables, lens, splits=splits)
+    seqs = kv_cache.random_sequences([1, 37, 80, 16], kv_heads, dim, group, g)
+    q = torch.randn(len(seqs.lens), heads, dim, generator=g).to(torch.bfloat16)
+    expected = kv_cache.paged_decode_attention(q, seqs.k, seqs.v, seqs.tables, seqs.lens)
+    got = a3b_kv.paged_decode_attention(q, seqs.k, seqs.v, seqs.tables, seqs.lens, splits=splits)
     assert not got.isnan().any()
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -65,7 +65,7 @@ def test_triton_kernel_refuses_tiles():
 def experts(count: int, n: int, k: int, g: torch.Generator) -> tuple[list, dict[str, torch.Tensor]]:
     """`count` quantized [n, k] expert weights, as a list and stacked as the MoE kernel reads them."""
     weights = [quantize(torch.randn(n, k, generator=g) * 0.05, CONFIG) for _ in range(count)]
-    return weights, {kind: torch.stack([getattr(w, kind) for w in weights]) for kind in a3b_moe.KINDS}
+    return weights, a3b_moe.stack(weights)
 
 
 def test_moe_align_groups_rows_by_expert_in_padded_blocks():

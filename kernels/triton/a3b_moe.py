@@ -18,9 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
+from a3b_backend.quant.format import A3BWeight
 from kernels.triton.a3b_matmul import DECODE_ROWS, a3b_accumulate
 
 KINDS = ("packed", "lo", "step", "delta", "lo_scale", "step_scale")
+
+
+def stack(weights: list[A3BWeight]) -> dict[str, torch.Tensor]:
+    """Experts' A3B weights (same shape) in the stacked layout the kernel reads."""
+    return {kind: torch.stack([getattr(w, kind) for w in weights]) for kind in KINDS}
 
 
 @triton.jit
