@@ -331,15 +331,15 @@ class A3BMoEMethod(FusedMoEMethodBase):
         if layer.moe_config.activation != MoEActivation.SILU or layer.apply_router_weight_on_input:
             raise A3BCheckpointError(f"{self.prefix}: A3B experts support SiLU-gated experts with router weights "
                                      f"applied to the output only (got {layer.moe_config.activation})")
+        # per projection, the experts' stacked tensors: what the kernels take
+        layer.a3b_experts = {stem: {k: getattr(layer, f"{stem}_weight_{k}") for k in (*META, *SCALES, "packed")}
+                             for stem in ("w13", "w2")}
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None
 
-    def _expert(self, layer: torch.nn.Module, stem: str, expert: int) -> dict[str, torch.Tensor]:
-        return {k: getattr(layer, f"{stem}_weight_{k}")[expert] for k in (*META, *SCALES, "packed")}
-
     def _expert_linear(self, x: torch.Tensor, layer: torch.nn.Module, stem: str, expert: int) -> torch.Tensor:
-        t = self._expert(layer, stem, expert)
+        t = {k: stacked[expert] for k, stacked in layer.a3b_experts[stem].items()}
         out, inp = self.partition[stem]
         if x.device.type == "cpu":
             return cpu_kernels.linear(x, t, inp, self.config.block, cpu_strategy())
@@ -350,9 +350,8 @@ class A3BMoEMethod(FusedMoEMethodBase):
               shared_experts=None, shared_experts_input=None) -> torch.Tensor:
         ids = topk_ids if layer.expert_map is None else layer.expert_map[topk_ids.long()]
         if x.device.type != "cpu" and self.config.block[0] == 1:
-            stacked = {stem: {k: getattr(layer, f"{stem}_weight_{k}") for k in (*META, *SCALES, "packed")}
-                       for stem in ("w13", "w2")}
-            return gpu_moe(x, stacked["w13"], stacked["w2"], topk_weights, ids, self.config.block[1]).to(x.dtype)
+            experts = layer.a3b_experts
+            return gpu_moe(x, experts["w13"], experts["w2"], topk_weights, ids, self.config.block[1]).to(x.dtype)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         for expert in ids.unique().tolist():
             if expert < 0:  # another rank's expert
