@@ -37,7 +37,7 @@ perf-tools:
 # perf_analyzer input files for a profile (PROFILE=cpu|h200|a100x8), exact token lengths
 PROFILE ?= cpu
 perf-inputs: setup model
-	$(PY) -m a3b_backend.perf_inputs --profile $(PROFILE) --out perf/inputs/$(PROFILE)
+	$(PY) -m a3b_backend.bench.perf_inputs --profile $(PROFILE) --out perf/inputs/$(PROFILE)
 
 # Targets that measure a running server leave its environment alone (setup
 # would rewrite files the server is using).
@@ -94,7 +94,7 @@ bench-gpu:
 
 # A3B KV cache (reference path): bytes per token, attention error, SmolLM2 perplexity change
 kv-report: setup model
-	$(PY) -m kernels.kv_cache
+	$(PY) perf/kv_report.py
 
 # A3B vs bf16 / RTN baselines: perplexity, bits per weight, table + plot under perf/quality
 quality: setup model

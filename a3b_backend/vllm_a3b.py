@@ -7,8 +7,8 @@ the checkpoint's config.json `quantization_config.quant_method`.
 The packed codes and the stored metadata are loaded as they are, sharded by
 vLLM's tensor-parallel loaders (merged qkv / gate_up shards land at their
 offsets), and stay packed while serving. Execution by device:
-  CPU   the C++ kernel (a3b_backend/kernels/cpu.py), strategy from $A3B_CPU_LINEAR;
-  CUDA  the Triton-language kernels (kernels/triton): a3b_matmul for linear
+  CPU   the C++ kernel (a3b_kernels.cpu), strategy from $A3B_CPU_LINEAR;
+  CUDA  the Triton-language kernels (a3b_kernels.triton): a3b_matmul for linear
         layers, the grouped a3b_moe for routed experts; 1 x C blocks only
         (other block shapes take a torch dequantize + matmul path).
 $A3B_CPU_LINEAR=expand dequantizes every weight to the model dtype at load
@@ -30,15 +30,14 @@ from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, regist
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.parameter import BasevLLMParameter, PackedColumnParameter, PackedvLLMParameter
 
-from a3b_backend.kernels import cpu as cpu_kernels
-from a3b_backend.quant.format import SUFFIXES, A3BConfig, A3BWeight, QuantizationError, dequantize
+from a3b_backend.quant.format import (KERNEL_KINDS, KINDS, A3BConfig, A3BWeight, Kind, QuantizationError,
+                                      StoredTensor, dequantize, stored_tensors)
+from a3b_kernels import cpu as cpu_kernels
 
 NAME = "a3b"
 STRATEGY_ENV = "A3B_CPU_LINEAR"
 DEFAULT_CPU_STRATEGY = "fused"
 CPU_STRATEGIES = (*cpu_kernels.STRATEGIES, "expand")
-META = ("lo", "step", "delta")
-SCALES = ("lo_scale", "step_scale")
 
 
 class A3BCheckpointError(ValueError):
@@ -56,7 +55,7 @@ class A3BQuantConfig(QuantizationConfig):
     def __init__(self, format_config: A3BConfig, quantized_layers: str):
         super().__init__()
         self.format = format_config
-        self.block = (format_config.block_rows, format_config.block_cols)
+        self.block = format_config.block
         self.quantized_layers = re.compile(quantized_layers)
 
     def get_name(self) -> str:
@@ -136,16 +135,15 @@ class A3BLinearMethod(LinearMethodBase):
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
-        rows, cols = self.config.block
+        rows = self.config.block[0]
         load = extra_weight_attrs["weight_loader"]
         out = sum(output_partition_sizes)
         self._check_partitioning(output_partition_sizes, input_size_per_partition, input_size)
         self.checkpoint_shapes = _checkpoint_shapes(layer, len(output_partition_sizes), output_size, input_size)
         layer.a3b_loaded = set()
-        layer.a3b_in_features = input_size_per_partition
-        block_rows_out, block_cols_in = -(-out // rows), -(-input_size_per_partition // cols)
+        layer.a3b_shape = (out, input_size_per_partition)
 
-        def checked(kind: str):
+        def checked(kind: Kind):
             def loader(param, loaded_weight, loaded_shard_id=None):
                 index = _shard_index(loaded_shard_id)
                 self._check_tensor(kind, index, loaded_weight)
@@ -157,22 +155,8 @@ class A3BLinearMethod(LinearMethodBase):
                 return load(param, loaded_weight, loaded_shard_id)
             return loader
 
-        def add(kind: str, param: torch.nn.Parameter):
-            layer.register_parameter(f"weight_{kind}", param)
-
-        add("packed", PackedvLLMParameter(
-            data=torch.empty(out, -(-input_size_per_partition // 2), dtype=torch.uint8), input_dim=1, output_dim=0,
-            packed_dim=1, packed_factor=2, weight_loader=checked("packed")))
-        for kind, dtype in zip(META, (torch.int8, torch.uint8, torch.uint8)):
-            add(kind, PackedvLLMParameter(
-                data=torch.empty(block_rows_out, block_cols_in, dtype=dtype), input_dim=1, output_dim=0,
-                packed_dim=0, packed_factor=rows, weight_loader=checked(kind)))
-        for kind in SCALES:
-            add(kind, PackedColumnParameter(
-                data=torch.empty(block_rows_out, dtype=torch.bfloat16), output_dim=0, packed_dim=0,
-                packed_factor=rows, weight_loader=checked(kind)))
-        # Read only to check it against the model's shape; never loaded into the layer.
-        add("shape", BasevLLMParameter(data=torch.empty(2, dtype=torch.int32), weight_loader=checked("shape")))
+        for kind, spec in stored_tensors(out, input_size_per_partition, self.config.block).items():
+            layer.register_parameter(f"weight_{kind}", _sharded_parameter(kind, spec, rows, checked(kind)))
 
     def _check_partitioning(self, output_partition_sizes: list[int], input_per_partition: int, input_size: int):
         rows, cols = self.config.block
@@ -185,21 +169,21 @@ class A3BLinearMethod(LinearMethodBase):
                 f"{self.names[0]}: tensor-parallel input slices of {input_per_partition} columns cut A3B blocks of "
                 f"{cols} columns; choose a tensor-parallel size that divides the blocks")
 
-    def _check_tensor(self, kind: str, index: int, loaded: torch.Tensor) -> None:
+    def _check_tensor(self, kind: Kind, index: int, loaded: torch.Tensor) -> None:
         check_stored_tensor(f"{self.names[index]}.weight_{kind}", kind, loaded, self.checkpoint_shapes[index],
                             self.config.block)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         missing = [f"{self.names[i]}.weight_{kind}" for i in range(len(self.names))
-                   for kind in SUFFIXES if (kind, i) not in layer.a3b_loaded]
+                   for kind in KINDS if (kind, i) not in layer.a3b_loaded]
         if missing:
             raise A3BCheckpointError(f"A3B tensors missing from the checkpoint: {', '.join(missing)}")
         del layer.weight_shape
-        tensors = {k: getattr(layer, f"weight_{k}").data for k in (*META, *SCALES, "packed")}
-        layer.a3b = tensors
+        layer.a3b = A3BWeight.for_kernels({k: getattr(layer, f"weight_{k}").data for k in KERNEL_KINDS},
+                                          *layer.a3b_shape)
         if layer.weight_packed.device.type == "cpu" and cpu_strategy() == "expand":
-            weight = cpu_kernels.dequantize(tensors, layer.a3b_in_features, self.config.block)
-            for k in (*META, *SCALES, "packed"):
+            weight = cpu_kernels.dequantize(layer.a3b, self.config.block)
+            for k in KERNEL_KINDS:
                 delattr(layer, f"weight_{k}")
             layer.a3b = None
             layer.weight = torch.nn.Parameter(weight.to(layer.params_dtype), requires_grad=False)
@@ -209,52 +193,51 @@ class A3BLinearMethod(LinearMethodBase):
             return torch.nn.functional.linear(x, layer.weight, bias)
         x2 = x.reshape(-1, x.shape[-1])
         if x.device.type == "cpu":
-            y = cpu_kernels.linear(x2, layer.a3b, layer.a3b_in_features, self.config.block, cpu_strategy())
+            y = cpu_kernels.linear(x2, layer.a3b, self.config.block, cpu_strategy())
         elif self.config.block[0] == 1:
-            y = gpu_linear(x2, layer.a3b, layer.a3b_in_features, self.config.format)
+            y = gpu_linear(x2, layer.a3b, self.config.format)
         else:
-            y = x2.float() @ self._reference_weight(layer).T
+            y = x2.float() @ dequantize(layer.a3b, self.config.format).T
         y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
         return y if bias is None else y + bias
 
-    def _reference_weight(self, layer: torch.nn.Module) -> torch.Tensor:
-        t = layer.a3b
-        out = t["packed"].shape[0]
-        q = A3BWeight(**t, shape=torch.tensor([out, layer.a3b_in_features]))
-        return dequantize(q, self.config.format)
+
+def _sharded_parameter(kind: Kind, spec: StoredTensor, block_rows: int, loader) -> torch.nn.Parameter:
+    """A stored tensor as the vLLM parameter whose loader shards it as its weight is sharded:
+    codes along both dimensions, per-block metadata by block rows and columns, row scales by block rows."""
+    data = torch.empty(spec.shape, dtype=spec.dtype)
+    if kind == "packed":
+        return PackedvLLMParameter(data=data, input_dim=1, output_dim=0, packed_dim=1, packed_factor=2,
+                                   weight_loader=loader)
+    if kind == "shape":  # read only to check it against the model's shape; never loaded into the layer
+        return BasevLLMParameter(data=data, weight_loader=loader)
+    if len(spec.shape) == 2:
+        return PackedvLLMParameter(data=data, input_dim=1, output_dim=0, packed_dim=0, packed_factor=block_rows,
+                                   weight_loader=loader)
+    return PackedColumnParameter(data=data, output_dim=0, packed_dim=0, packed_factor=block_rows,
+                                 weight_loader=loader)
 
 
-def gpu_linear(x: torch.Tensor, tensors: dict[str, torch.Tensor], in_features: int,
-               config: A3BConfig) -> torch.Tensor:
+def gpu_linear(x: torch.Tensor, weight: A3BWeight, config: A3BConfig) -> torch.Tensor:
     """float32 x @ W^T by the Triton A3B kernel, W's codes read in place."""
-    from kernels.triton.a3b_matmul import a3b_matmul
+    from a3b_kernels.triton.a3b_matmul import a3b_matmul
 
-    q = A3BWeight(**tensors, shape=torch.tensor([tensors["packed"].shape[0], in_features]))
-    return a3b_matmul(x, q, config, block_m=16 if x.shape[0] <= 16 else 64, block_n=64)
+    return a3b_matmul(x, weight, config, block_m=16 if x.shape[0] <= 16 else 64, block_n=64)
 
 
-def gpu_moe(x: torch.Tensor, w13: dict[str, torch.Tensor], w2: dict[str, torch.Tensor], topk_weights: torch.Tensor,
-            topk_ids: torch.Tensor, group: int) -> torch.Tensor:
+def gpu_moe(x: torch.Tensor, w13: A3BWeight, w2: A3BWeight, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            group: int) -> torch.Tensor:
     """float32 routed-expert output by the grouped Triton A3B MoE kernel (ids < 0: another rank's)."""
-    from kernels.triton.a3b_moe import a3b_moe
+    from a3b_kernels.triton.a3b_moe import a3b_moe
 
     return a3b_moe(x, w13, w2, topk_weights, topk_ids, group)
 
 
-def _expected_shapes(out: int, inp: int, block: tuple[int, int]) -> dict[str, tuple[int, ...]]:
-    """Shapes of the stored A3B tensors of one [out, in] weight."""
-    rows, cols = block
-    shapes = {"packed": (out, -(-inp // 2)), "shape": (2,)}
-    shapes.update({k: (-(-out // rows), -(-inp // cols)) for k in META})
-    shapes.update({k: (-(-out // rows),) for k in SCALES})
-    return shapes
-
-
-def check_stored_tensor(name: str, kind: str, loaded: torch.Tensor, weight_shape: tuple[int, int],
+def check_stored_tensor(name: str, kind: Kind, loaded: torch.Tensor, weight_shape: tuple[int, int],
                         block: tuple[int, int]) -> None:
     """Refuse a stored A3B tensor that does not fit the model's [out, in] weight and the block shape."""
     out, inp = weight_shape
-    expected = _expected_shapes(out, inp, block)[kind]
+    expected = stored_tensors(out, inp, block)[kind].shape
     if tuple(loaded.shape) != expected:
         raise A3BCheckpointError(
             f"{name} has shape {list(loaded.shape)}; a [{out}, {inp}] weight in {block[0]}x{block[1]} blocks "
@@ -264,8 +247,6 @@ def check_stored_tensor(name: str, kind: str, loaded: torch.Tensor, weight_shape
 
 
 EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-KIND_DTYPES = {"packed": torch.uint8, "lo": torch.int8, "step": torch.uint8, "delta": torch.uint8,
-               "lo_scale": torch.bfloat16, "step_scale": torch.bfloat16, "shape": torch.int32}
 
 
 class A3BMoEMethod(FusedMoEMethodBase):
@@ -290,13 +271,13 @@ class A3BMoEMethod(FusedMoEMethodBase):
                            "w2": (hidden_size, inter * tp)}
         layer.a3b_loaded = set()
         for stem, (out, inp) in self.partition.items():
-            for kind, shape in _expected_shapes(out, inp, self.config.block).items():
-                param = torch.nn.Parameter(torch.empty(num_experts, *shape, dtype=KIND_DTYPES[kind]),
+            for kind, spec in stored_tensors(out, inp, self.config.block).items():
+                param = torch.nn.Parameter(torch.empty(num_experts, *spec.shape, dtype=spec.dtype),
                                            requires_grad=False)
                 param.weight_loader = self._loader(layer, kind)
                 layer.register_parameter(f"{stem}_weight_{kind}", param)
 
-    def _loader(self, layer: torch.nn.Module, kind: str):
+    def _loader(self, layer: torch.nn.Module, kind: Kind):
         def load(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
             local = layer._map_global_expert_id_to_local_expert_id(expert_id)
             if local == -1:
@@ -304,12 +285,12 @@ class A3BMoEMethod(FusedMoEMethodBase):
             check_stored_tensor(f"{self.prefix}.{expert_id}.{EXPERT_PROJ[shard_id]}.weight_{kind}", kind,
                                 loaded_weight, self.checkpoint[shard_id], self.config.block)
             if kind != "shape":
-                self._copy_shard(param.data[local], loaded_weight, shard_id, kind)
+                self._copy_shard(param.data[local], loaded_weight, shard_id)
             layer.a3b_loaded.add((local, shard_id, kind))
             return True if return_success else None
         return load
 
-    def _copy_shard(self, dst: torch.Tensor, src: torch.Tensor, shard_id: str, kind: str) -> None:
+    def _copy_shard(self, dst: torch.Tensor, src: torch.Tensor, shard_id: str) -> None:
         rank = self.moe.tp_rank
         if shard_id == "w2":  # input dimension split across ranks; scales have none
             if src.dim() == 2:
@@ -323,7 +304,7 @@ class A3BMoEMethod(FusedMoEMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         experts = layer.w13_weight_packed.shape[0]
         missing = [f"{self.prefix}.{e}.{EXPERT_PROJ[shard]}.weight_{kind}" for e in range(experts)
-                   for shard in EXPERT_PROJ for kind in KIND_DTYPES if (e, shard, kind) not in layer.a3b_loaded]
+                   for shard in EXPERT_PROJ for kind in KINDS if (e, shard, kind) not in layer.a3b_loaded]
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise A3BCheckpointError(f"A3B tensors missing from the checkpoint: {', '.join(missing[:5])}{more}")
@@ -331,20 +312,20 @@ class A3BMoEMethod(FusedMoEMethodBase):
         if layer.moe_config.activation != MoEActivation.SILU or layer.apply_router_weight_on_input:
             raise A3BCheckpointError(f"{self.prefix}: A3B experts support SiLU-gated experts with router weights "
                                      f"applied to the output only (got {layer.moe_config.activation})")
-        # per projection, the experts' stacked tensors: what the kernels take
-        layer.a3b_experts = {stem: {k: getattr(layer, f"{stem}_weight_{k}") for k in (*META, *SCALES, "packed")}
-                             for stem in ("w13", "w2")}
+        # per projection, the experts' stacked weights: what the kernels take
+        layer.a3b_experts = {
+            stem: A3BWeight.for_kernels({k: getattr(layer, f"{stem}_weight_{k}") for k in KERNEL_KINDS},
+                                        *self.partition[stem])
+            for stem in ("w13", "w2")}
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None
 
     def _expert_linear(self, x: torch.Tensor, layer: torch.nn.Module, stem: str, expert: int) -> torch.Tensor:
-        t = {k: stacked[expert] for k, stacked in layer.a3b_experts[stem].items()}
-        out, inp = self.partition[stem]
+        weight = layer.a3b_experts[stem].expert(expert)
         if x.device.type == "cpu":
-            return cpu_kernels.linear(x, t, inp, self.config.block, cpu_strategy())
-        q = A3BWeight(**t, shape=torch.tensor([out, inp]))  # torch reference path, not a kernel
-        return x.float() @ dequantize(q, self.config.format).T
+            return cpu_kernels.linear(x, weight, self.config.block, cpu_strategy())
+        return x.float() @ dequantize(weight, self.config.format).T  # torch reference path, not a kernel
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts=None, shared_experts_input=None) -> torch.Tensor:

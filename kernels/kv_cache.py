@@ -1,8 +1,6 @@
 """A3B KV cache: the paged layout the kernels read and write, its torch
-reference (quantize-on-write, paged GQA decode attention), bytes per token, and
-the quality report:
-
-    make kv-report       # perf/results/a3b_kv.md: bytes/token/layer, attention error, SmolLM2 perplexity
+reference (quantize-on-write, paged GQA decode attention) and bytes per token.
+Its quality report is perf/kv_report.py (`make kv-report`).
 
 Each token's K or V vector per KV head is cut into groups of GROUP channels;
 a group is one A3B block (docs/a3b_format.md: 16-entry table lo + k*step +/- d,
@@ -17,18 +15,13 @@ K and for V.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import sys
-from pathlib import Path
-from typing import Callable
 
 import torch
 
-from a3b_backend.quant.format import assign, fit_blocks, pack_codes, unpack_codes
+from a3b_backend.quant.format import assign, ceil_div, fit_blocks, pack_codes, unpack_codes
 
-ROOT = Path(__file__).resolve().parent.parent
 GROUP = 128  # channels of one token and head sharing a (lo, step, d) table
 META_BYTES = 6  # lo, step, d as fp16
 ITERATIONS = 2  # Lloyd refits after the uniform grid, as the kernels do
@@ -54,7 +47,7 @@ def bytes_per_token_layer(shape: AttentionShape, dtype: str, group: int = GROUP)
     """K and V bytes one token adds to one attention layer's cache."""
     per_head = {"fp16": 2 * shape.head_dim, "fp8": shape.head_dim}.get(dtype)
     if dtype == "a3b":
-        per_head = shape.head_dim / 2 + META_BYTES * -(-shape.head_dim // group)
+        per_head = shape.head_dim / 2 + META_BYTES * ceil_div(shape.head_dim, group)
     if per_head is None:
         raise ValueError(f"unknown KV dtype {dtype!r}: fp16, fp8 or a3b")
     return 2 * shape.kv_heads * per_head
@@ -144,7 +137,7 @@ def paged_decode_attention(q: torch.Tensor, k: PagedA3B, v: PagedA3B, block_tabl
     out = torch.empty(batch, heads, dim, dtype=torch.float32, device=q.device)
     for b in range(batch):
         n = int(seq_lens[b])
-        pages = block_tables[b, :-(-n // block_size)]
+        pages = block_tables[b, :ceil_div(n, block_size)]
         keys = dequantize_rows(k.codes[pages], k.meta[pages]).reshape(-1, kv_heads, dim)[:n]
         values = dequantize_rows(v.codes[pages], v.meta[pages]).reshape(-1, kv_heads, dim)[:n]
         keys = keys.repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
@@ -168,7 +161,7 @@ class PagedSequences:
 
 def random_sequences(lens: list[int], kv_heads: int, dim: int, group: int, g: torch.Generator,
                      block_size: int = 16) -> PagedSequences:
-    pages = [-(-n // block_size) for n in lens]
+    pages = [ceil_div(n, block_size) for n in lens]
     order = torch.randperm(sum(pages), generator=g)
     k, v = (PagedA3B.empty(sum(pages), block_size, kv_heads, dim, group) for _ in range(2))
     tables = torch.zeros(len(lens), max(pages) + 1, dtype=torch.int32)
@@ -198,106 +191,3 @@ def a3b_roundtrip(x: torch.Tensor, group: int = GROUP, rotated: bool = True) -> 
     codes, meta = quantize_rows(y.reshape(-1, x.shape[-1]), min(group, x.shape[-1]))
     y = dequantize_rows(codes, meta).reshape(x.shape)
     return (rotate(y) if rotated else y).to(x.dtype)
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal GQA attention, q[heads, T, d], k/v[kv_heads, T, d]."""
-    groups = q.shape[0] // k.shape[0]
-    k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
-    return torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
-
-
-def gaussian_qkv(shape: AttentionShape, tokens: int, g: torch.Generator):
-    """q[heads, T, d], k/v[kv_heads, T, d]: Gaussian, with a few large key
-    channels (as real keys have)."""
-    q = torch.randn(shape.kv_heads * 4, tokens, shape.head_dim, generator=g)
-    k = torch.randn(shape.kv_heads, tokens, shape.head_dim, generator=g)
-    k[..., :4] *= 8
-    return q, k, torch.randn(shape.kv_heads, tokens, shape.head_dim, generator=g)
-
-
-def fp8_roundtrip(x: torch.Tensor) -> torch.Tensor:
-    """x through an fp8 (e4m3) cache with scale 1, vLLM's default fp8 KV."""
-    return x.to(torch.float8_e4m3fn).to(x.dtype)
-
-
-# K/V cache variants compared in the report: name -> write-then-read of x[..., head_dim]
-ROUNDTRIPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "fp8 (e4m3)": fp8_roundtrip,
-    "A3B, plain": lambda x: a3b_roundtrip(x, rotated=False),
-    "A3B, Hadamard-rotated (the format)": a3b_roundtrip,
-}
-
-
-def attention_error(shape: AttentionShape, tokens: int, roundtrip: Callable[[torch.Tensor], torch.Tensor],
-                    seed: int = 0) -> float:
-    """Relative L2 error of the attention output, K/V through `roundtrip` vs fp16 K/V."""
-    q, k, v = gaussian_qkv(shape, tokens, torch.Generator().manual_seed(seed))
-    ref = attention(q, k.half().float(), v.half().float())
-    got = attention(q, roundtrip(k), roundtrip(v))
-    return ((got - ref).norm() / ref.norm()).item()
-
-
-def kv_quantized_perplexity(model_dir: Path, eval_tokens: int) -> dict[str, float]:
-    """SmolLM2 perplexity with fp16 K/V and with K/V through each of ROUNDTRIPS. K/V are quantized where attention reads them, after
-    RoPE, as a cache holds them (a transformers attention function wrapping SDPA)."""
-    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from a3b_backend.quant.quality import eval_text, perplexity
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor(tokenizer.encode(eval_text())[:eval_tokens])
-    cache: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
-
-    def a3b_kv_attention(module, query, key, value, attention_mask, **kwargs):
-        return sdpa_attention_forward(module, query, cache["kv"](key), cache["kv"](value), attention_mask, **kwargs)
-
-    AttentionInterface.register("a3b_kv_reference", a3b_kv_attention)
-    model.set_attn_implementation("a3b_kv_reference")
-    variants = {"fp16": lambda x: x.half().float(), **ROUNDTRIPS}
-    results = {}
-    for name, roundtrip in variants.items():
-        cache["kv"] = roundtrip
-        results[name] = perplexity(model, ids)
-    return results
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=ROOT / "models" / "smollm2-135m-instruct")
-    parser.add_argument("--eval-tokens", type=int, default=4096)
-    parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "a3b_kv.md")
-    args = parser.parse_args(argv)
-    from a3b_backend.perf_report import machine
-
-    lines = ["# A3B KV cache (reference path)\n", f"Machine: {machine()}. Command: `make kv-report`.\n",
-             "| model | KV dtype | bytes/token/layer | vs fp16 | KV cache at 128K context, all attention layers |",
-             "|---|---|---|---|---|"]
-    for shape in (QWEN36, SMOLLM2):
-        fp16 = bytes_per_token_layer(shape, "fp16")
-        for dtype in ("fp16", "fp8", "a3b"):
-            b = bytes_per_token_layer(shape, dtype)
-            total = b * 131072 * shape.attention_layers / 2**30
-            lines.append(f"| {shape.name} | {dtype} | {b:.0f} | {b / fp16:.3f} | {total:.2f} GiB |")
-    lines += ["", "Attention output vs fp16 K/V, relative L2 error (Qwen3.6 head shape, Gaussian q/k/v, "
-              "4 key channels x8):", "", "| tokens | " + " | ".join(ROUNDTRIPS) + " |",
-              "|---" * (len(ROUNDTRIPS) + 1) + "|"]
-    for t in (512, 2048):
-        lines.append(f"| {t} | " + " | ".join(f"{attention_error(QWEN36, t, rt):.4f}" for rt in ROUNDTRIPS.values())
-                     + " |")
-    print("\n".join(lines), flush=True)
-    ppl = kv_quantized_perplexity(args.model, args.eval_tokens)
-    lines += ["", f"SmolLM2-135M-Instruct perplexity on {args.eval_tokens} tokens of CPython's language reference "
-              "(weights unquantized; K/V quantized after RoPE, as cached):", "",
-              "| K/V | perplexity | vs fp16 |", "|---|---|---|"]
-    lines += [f"| {name} | {value:.3f} | {(value / ppl['fp16'] - 1) * 100:+.2f}% |" for name, value in ppl.items()]
-    args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[-5:]))
-    print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    main()

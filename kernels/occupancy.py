@@ -3,10 +3,12 @@ Decode-sized kernels have few independent output tiles, so they split their
 long dimension (K of a GEMV, the pages of a sequence) until the GPU is full."""
 from __future__ import annotations
 
+from a3b_backend.quant.format import ceil_div
+
 SMS = 132
 
 
 def splits_to_fill(tiles: int, max_splits: int, per_sm: int) -> int:
     """Splits of each of `tiles` independent tiles that bring the launch to
     about `per_sm` programs per SM (at least 1, at most `max_splits`)."""
-    return max(1, min(max_splits, -(-per_sm * SMS // tiles)))
+    return max(1, min(max_splits, ceil_div(per_sm * SMS, tiles)))

@@ -132,7 +132,9 @@ def time_us(plan: Plan, fn: Callable[[int], object], warmup: int = 5, replays: i
 
 def copies(plan: Plan, make: Callable[[], object], nbytes: int) -> list:
     """Enough independent copies of an operand that cycling through them defeats L2."""
-    return [make() for _ in range(max(2, -(-plan.rotate_bytes // max(nbytes, 1))))]
+    from a3b_backend.quant.format import ceil_div
+
+    return [make() for _ in range(max(2, ceil_div(plan.rotate_bytes, max(nbytes, 1))))]
 
 
 def copy_bandwidth(plan: Plan) -> float:
@@ -149,9 +151,9 @@ def checks(plan: Plan, cuda_ext: bool) -> list[tuple[str, float, bool]]:
     """(kernel, max abs error relative to the reference's max, passed) on fresh random inputs."""
     import torch
 
-    from a3b_backend.quant.format import A3BConfig, quantize
-    from kernels import kv_cache, reference
-    from kernels.triton import a3b_kv, a3b_matmul, a3b_moe
+    from a3b_backend.quant.format import A3BConfig, quantize, stack
+    from a3b_kernels import kv_cache, reference
+    from a3b_kernels.triton import a3b_kv, a3b_matmul, a3b_moe
 
     dev, hidden = plan.device, plan.check_hidden
     config = A3BConfig(1, plan.group, iterations=2)
@@ -161,29 +163,25 @@ def checks(plan: Plan, cuda_ext: bool) -> list[tuple[str, float, bool]]:
         err = ((got.float().cpu() - expected.float().cpu()).abs().max() / expected.abs().max()).item()
         results.append((name, err, bool(torch.isfinite(got).all()) and err <= tol))
 
-    def to_device(w):
-        return type(w)(**{k: v if k == "shape" else v.to(dev) for k, v in vars(w).items()})
-
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     q = quantize(torch.randn(hidden // 2, hidden, generator=g) * 0.05, config)
     for m in (1, 16, 64):
         x = torch.randn(m, hidden, generator=g).to(torch.bfloat16)
         expected = reference.a3b_matmul(x, q, config)
-        record(f"triton a3b_matmul M={m}", a3b_matmul.a3b_matmul(x.to(dev), to_device(q), config), expected, 1e-3)
+        record(f"triton a3b_matmul M={m}", a3b_matmul.a3b_matmul(x.to(dev), q.to(dev), config), expected, 1e-3)
         if cuda_ext and m <= 16:
-            from kernels import cuda
+            from a3b_kernels import cuda
 
-            record(f"cuda a3b_gemv M={m}", cuda.a3b_gemv(x.to(dev), to_device(q), config), expected, 1e-3)
+            record(f"cuda a3b_gemv M={m}", cuda.a3b_gemv(x.to(dev), q.to(dev), config), expected, 1e-3)
 
     experts, inter = 8, hidden // 4
     w13 = [quantize(torch.randn(2 * inter, hidden, generator=g) * 0.05, config) for _ in range(experts)]
     w2 = [quantize(torch.randn(hidden, inter, generator=g) * 0.05, config) for _ in range(experts)]
-    stack = {name: {k: t.to(dev) for k, t in a3b_moe.stack(ws).items()} for name, ws in (("w13", w13), ("w2", w2))}
     x = torch.randn(6, hidden, generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(experts, generator=g)[:4] for _ in range(6)])
     weights = torch.rand(6, 4, generator=g).softmax(-1)
     record(f"triton a3b_moe (hidden {hidden}, expert {inter}, top 4 of 8)",
-           a3b_moe.a3b_moe(x.to(dev), stack["w13"], stack["w2"], weights.to(dev), ids.to(dev), plan.group),
+           a3b_moe.a3b_moe(x.to(dev), stack(w13).to(dev), stack(w2).to(dev), weights.to(dev), ids.to(dev), plan.group),
            reference.a3b_moe(x, w13, w2, weights, ids, config), 2e-3)
 
     heads, kv_heads, dim = plan.attention
@@ -201,7 +199,7 @@ def checks(plan: Plan, cuda_ext: bool) -> list[tuple[str, float, bool]]:
     args = (qry.to(dev), *on_device, seqs.tables.to(dev), seqs.lens.int().to(dev))
     record("triton a3b paged decode attention", a3b_kv.paged_decode_attention(*args), expected, 1e-3)
     if cuda_ext:
-        from kernels import cuda
+        from a3b_kernels import cuda
 
         record("cuda a3b paged decode attention", cuda.paged_decode_attention(*args), expected, 1e-3)
     return results
@@ -212,16 +210,16 @@ def random_a3b(n: int, k: int, group: int, device: str):
     """Random codes and metadata of an [n, k] A3B weight (timing needs no fit)."""
     import torch
 
-    from a3b_backend.quant.format import A3BWeight
+    from a3b_backend.quant.format import A3BWeight, stored_tensors
 
-    blocks = k // group
-    return A3BWeight(packed=torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device),
-                     lo=torch.randint(-127, 128, (n, blocks), dtype=torch.int8, device=device),
-                     step=torch.randint(0, 256, (n, blocks), dtype=torch.uint8, device=device),
-                     delta=torch.randint(0, 256, (n, blocks), dtype=torch.uint8, device=device),
-                     lo_scale=torch.full((n,), 1e-3, dtype=torch.bfloat16, device=device),
-                     step_scale=torch.full((n,), 1e-4, dtype=torch.bfloat16, device=device),
-                     shape=torch.tensor([n, k]))
+    def random(kind, spec):
+        if spec.dtype == torch.bfloat16:  # row scales: small, so table values stay in range
+            return torch.full(spec.shape, 1e-3 if kind == "lo_scale" else 1e-4, dtype=spec.dtype, device=device)
+        info = torch.iinfo(spec.dtype)
+        return torch.randint(max(info.min, -127), info.max + 1, spec.shape, dtype=spec.dtype, device=device)
+
+    tensors = {kind: random(kind, spec) for kind, spec in stored_tensors(n, k, (1, group)).items() if kind != "shape"}
+    return A3BWeight.for_kernels(tensors, n, k)
 
 
 def int4_weight(n: int, k: int, device: str):
@@ -238,7 +236,7 @@ def time_linear(plan: Plan, cuda_ext: bool) -> tuple[list[Timing], list[str]]:
     import torch
 
     from a3b_backend.quant.format import A3BConfig
-    from kernels.triton import a3b_matmul
+    from a3b_kernels.triton import a3b_matmul
 
     dev = plan.device
     config = A3BConfig(1, plan.group)
@@ -270,7 +268,7 @@ def time_linear(plan: Plan, cuda_ext: bool) -> tuple[list[Timing], list[str]]:
                 plan, lambda i: a3b_matmul.a3b_matmul(x, a3b[i % len(a3b)], config, block_m=block_m, block_n=64)),
                 a3b_bytes + act))
             if cuda_ext and m <= 16:
-                from kernels import cuda
+                from a3b_kernels import cuda
 
                 rows.append(Timing("linear", case, "A3B CUDA GEMV", time_us(
                     plan, lambda i: cuda.a3b_gemv(x, a3b[i % len(a3b)], config)), a3b_bytes + act))
@@ -284,7 +282,7 @@ def extra_memory_note(n: int, k: int, config) -> str:
     """Device memory an A3B call allocates beyond its output, against 1% of the bf16 weight."""
     import torch
 
-    from kernels.triton import a3b_matmul
+    from a3b_kernels.triton import a3b_matmul
 
     q, x = random_a3b(n, k, config.block_cols, "cuda"), torch.randn(16, k, device="cuda").to(torch.bfloat16)
     torch.cuda.synchronize()
@@ -303,10 +301,11 @@ def random_paged(plan: Plan, tokens: int) -> tuple[object, object, object]:
     """(k cache, v cache, block table) with random codes/metadata, pages in random order."""
     import torch
 
-    from kernels.kv_cache import PagedA3B
+    from a3b_backend.quant.format import ceil_div
+    from a3b_kernels.kv_cache import PagedA3B
 
     _, kv_heads, dim = plan.attention
-    pages = -(-tokens // plan.block_size)
+    pages = ceil_div(tokens, plan.block_size)
     caches = []
     for _ in range(2):
         c = PagedA3B.empty(pages, plan.block_size, kv_heads, dim, plan.group, device=plan.device)
@@ -320,8 +319,8 @@ def random_paged(plan: Plan, tokens: int) -> tuple[object, object, object]:
 def time_attention(plan: Plan, cuda_ext: bool) -> list[Timing]:
     import torch
 
-    from kernels import kv_cache
-    from kernels.triton import a3b_kv
+    from a3b_kernels import kv_cache
+    from a3b_kernels.triton import a3b_kv
 
     dev = plan.device
     heads, kv_heads, dim = plan.attention
@@ -338,7 +337,7 @@ def time_attention(plan: Plan, cuda_ext: bool) -> list[Timing]:
             plan, lambda i: a3b_kv.paged_decode_attention(q, *paged[i % len(paged)][:2], paged[i % len(paged)][2],
                                                           lens)), a3b_bytes))
         if cuda_ext:
-            from kernels import cuda
+            from a3b_kernels import cuda
 
             rows.append(Timing("attention", case, "A3B CUDA", time_us(
                 plan, lambda i: cuda.paged_decode_attention(q, *paged[i % len(paged)][:2], paged[i % len(paged)][2],
@@ -475,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda_ext = plan.device == "cuda" and not args.no_cuda_ext
     if cuda_ext:
         print("building the CUDA C++ kernels (torch extension)...", flush=True)
-        from kernels import cuda
+        from a3b_kernels import cuda
 
         cuda.ops()
     checked = checks(plan, cuda_ext)

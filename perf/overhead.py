@@ -29,8 +29,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from a3b_backend import loadgen, perf_inputs, perf_report, server_process  # noqa: E402
-from a3b_backend.perf_report import RequestRecord  # noqa: E402
+from a3b_backend.bench import loadgen, perf_inputs, perf_report, server_process  # noqa: E402
+from a3b_backend.bench.perf_report import RequestRecord  # noqa: E402
 from a3b_backend.profiles import get_profile  # noqa: E402
 
 OUTPUT_TOKENS = 32

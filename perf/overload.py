@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from a3b_backend import loadgen, perf_report  # noqa: E402
+from a3b_backend.bench import loadgen, perf_report  # noqa: E402
 from a3b_backend.profiles import get_profile  # noqa: E402
 
 PROMPT = "Write one sentence about the sea."

@@ -4,7 +4,7 @@ settings otherwise (the profile's), one engine after the other in this process.
     make bench-prefix-cache        # table under perf/results/prefix_cache/
 
 Requests share the system prompt and one document chunk and differ in their
-question (a3b_backend.perf_inputs.rag_data); they are sent one at a time, so
+question (a3b_backend.bench.perf_inputs.rag_data); they are sent one at a time, so
 TTFT is prefill alone. The first request fills the cache; the figure is the
 median over the others.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from a3b_backend import perf_inputs, perf_report  # noqa: E402
+from a3b_backend.bench import perf_inputs, perf_report  # noqa: E402
 from a3b_backend.profiles import get_profile  # noqa: E402
 
 

@@ -3,9 +3,9 @@
     make perf                                   # cpu profile, server from `make serve`
     python perf/run_perf.py --profile h200 --url gpu-host:8001 --dry-run   # print the commands
 
-Inputs come from a3b_backend.perf_inputs (exact token lengths), every run
+Inputs come from a3b_backend.bench.perf_inputs (exact token lengths), every run
 streams over gRPC with count-based measurement windows and writes a
-`--profile-export-file`; a3b_backend.perf_report turns the exports into
+`--profile-export-file`; a3b_backend.bench.perf_report turns the exports into
 perf/results/<profile>/report.{md,png,json}.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from a3b_backend import perf_inputs, perf_report  # noqa: E402
+from a3b_backend.bench import perf_inputs, perf_report  # noqa: E402
 from a3b_backend.profiles import Profile, get_profile  # noqa: E402
 
 

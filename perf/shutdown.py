@@ -22,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from a3b_backend import loadgen, server_process  # noqa: E402
-from a3b_backend.perf_report import machine  # noqa: E402
+from a3b_backend.bench import loadgen, server_process  # noqa: E402
+from a3b_backend.bench.perf_report import machine  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper."
 LOG = ROOT / "perf" / "results" / "tmp" / "shutdown.server.log"

@@ -52,7 +52,7 @@ step "building the A3B CPU kernel (C++, about a minute)"
 if ! command -v g++ >/dev/null; then
   apt-get update -q && apt-get install -y -q g++
 fi
-"$VENV/bin/python" -c "from a3b_backend.kernels import cpu; cpu.ops()"
+"$VENV/bin/python" -c "from a3b_kernels import cpu; cpu.ops()"
 
 # The Triton python-backend stub deserializes tensors with numpy<2 semantics.
 "$VENV/bin/python" - <<'PY'

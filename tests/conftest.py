@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from a3b_backend import server_process
+from a3b_backend.bench import server_process
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"

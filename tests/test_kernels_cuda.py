@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from a3b_backend.quant.format import A3BConfig, quantize
-from kernels import reference
+from a3b_kernels import reference
 
 CUDA_DIR = Path(__file__).resolve().parent.parent / "kernels" / "cuda"
 
@@ -28,7 +28,7 @@ def test_cuda_source_compiles_for_hopper(source, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and torch with CUDA")
 @pytest.mark.parametrize("m", [1, 4, 16])
 def test_cuda_gemv_matches_reference(m):
-    from kernels import cuda
+    from a3b_kernels import cuda
 
     config = A3BConfig(1, 128, iterations=2)
     w = torch.randn(512, 1024) * 0.05
@@ -41,7 +41,7 @@ def test_cuda_gemv_matches_reference(m):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and torch with CUDA")
 @pytest.mark.parametrize("heads, kv_heads, dim", [(16, 2, 256), (4, 4, 64), (8, 1, 128)])
 def test_cuda_paged_decode_attention_matches_reference(heads, kv_heads, dim):
-    from kernels import cuda, kv_cache
+    from a3b_kernels import cuda, kv_cache
 
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     seqs = kv_cache.random_sequences([5, 300, 1000], kv_heads, dim, min(128, dim), g)

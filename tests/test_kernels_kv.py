@@ -10,8 +10,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton builds the kernels: run th
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels import kv_cache  # noqa: E402
-from kernels.triton import a3b_kv  # noqa: E402
+from a3b_kernels import kv_cache  # noqa: E402
+from a3b_kernels.triton import a3b_kv  # noqa: E402
 
 
 def generator() -> torch.Generator:

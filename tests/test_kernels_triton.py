@@ -9,10 +9,10 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton builds the kernels: run th
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from a3b_backend.quant.format import A3BConfig, quantize  # noqa: E402
-from kernels import reference  # noqa: E402
-from kernels.occupancy import splits_to_fill  # noqa: E402
-from kernels.triton import a3b_matmul, a3b_moe  # noqa: E402
+from a3b_backend.quant.format import A3BConfig, A3BWeight, quantize, stack  # noqa: E402
+from a3b_kernels import reference  # noqa: E402
+from a3b_kernels.occupancy import splits_to_fill  # noqa: E402
+from a3b_kernels.triton import a3b_matmul, a3b_moe  # noqa: E402
 
 CONFIG = A3BConfig(1, 128, iterations=2)
 
@@ -62,10 +62,10 @@ def test_triton_kernel_refuses_tiles():
         a3b_matmul.a3b_matmul(x, q, A3BConfig(64, 64))
 
 
-def experts(count: int, n: int, k: int, g: torch.Generator) -> tuple[list, dict[str, torch.Tensor]]:
+def experts(count: int, n: int, k: int, g: torch.Generator) -> tuple[list[A3BWeight], A3BWeight]:
     """`count` quantized [n, k] expert weights, as a list and stacked as the MoE kernel reads them."""
     weights = [quantize(torch.randn(n, k, generator=g) * 0.05, CONFIG) for _ in range(count)]
-    return weights, a3b_moe.stack(weights)
+    return weights, stack(weights)
 
 
 def test_moe_align_groups_rows_by_expert_in_padded_blocks():
@@ -111,11 +111,12 @@ def test_triton_grouped_matmul_writes_every_routed_row():
 def test_vllm_a3b_gpu_path_runs_the_triton_kernels():
     """What the vLLM `a3b` method calls on CUDA, fed the layer's stored tensors."""
     from a3b_backend import vllm_a3b
+    from a3b_backend.quant.format import KERNEL_KINDS
 
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     x, q = case(3, 96, 256, seed=torch.seed() % 2**31)
-    tensors = {k: getattr(q, k) for k in a3b_moe.KINDS}
-    torch.testing.assert_close(vllm_a3b.gpu_linear(x, tensors, 256, CONFIG), reference.a3b_matmul(x, q, CONFIG),
+    loaded = A3BWeight.for_kernels({k: getattr(q, k) for k in KERNEL_KINDS}, 96, 256)
+    torch.testing.assert_close(vllm_a3b.gpu_linear(x, loaded, CONFIG), reference.a3b_matmul(x, q, CONFIG),
                                rtol=1e-4, atol=1e-4)
     w13_list, w13 = experts(4, 128, 256, g)
     w2_list, w2 = experts(4, 256, 64, g)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from a3b_backend import contract, perf_inputs, perf_report
-from a3b_backend.perf_inputs import Corpus, InputError
+from a3b_backend import contract
+from a3b_backend.bench import perf_inputs, perf_report
+from a3b_backend.bench.perf_inputs import Corpus, InputError
 from a3b_backend.profiles import PROFILES
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 
-from a3b_backend import loadgen
+from a3b_backend.bench import loadgen
 from served import GREEDY, CAPITAL, metric, scrape, stream_infer, tensor, text_request, texts
 
 pytestmark = pytest.mark.served

@@ -63,7 +63,7 @@ def test_vllm_logits_match_dequantized_reference(tmp_path, model_type, extra):
     dst = convert(src, tmp_path / "a3b", CONFIG)
     prompt = PROMPT
     if model_type == "qwen3_moe":
-        from a3b_backend.perf_inputs import QwenTokenizer
+        from a3b_backend.bench.perf_inputs import QwenTokenizer
 
         prompt = QwenTokenizer.load().encode(QWEN_TEXT)
         assert len(prompt) > 10 and max(prompt) > 256

@@ -15,24 +15,30 @@ Metadata is double-quantized to keep bits/weight at or below INT4-g128's 4.25:
 per block `lo` is int8 and `step` uint8 against per-block-row bf16 scales, and
 `d` is uint8 as a fraction of the block's step (d = step * d_q / 255).
 
-On-disk tensors for a linear weight `NAME.weight` (see docs/a3b_format.md):
+On-disk tensors for a linear weight `NAME.weight` (docs/a3b_format.md), their
+names, dtypes and shapes given by `stored_tensors`, the one owner of the schema:
   NAME.weight_packed      uint8 [out, ceil(in/2)] codes, low nibble = even column
-  NAME.weight_lo          int8  [out_p/R, in_p/C]
-  NAME.weight_step        uint8 [out_p/R, in_p/C]
-  NAME.weight_delta       uint8 [out_p/R, in_p/C]
-  NAME.weight_lo_scale    bf16  [out_p/R]
-  NAME.weight_step_scale  bf16  [out_p/R]
+  NAME.weight_lo          int8  [ceil(out/R), ceil(in/C)]
+  NAME.weight_step        uint8 [ceil(out/R), ceil(in/C)]
+  NAME.weight_delta       uint8 [ceil(out/R), ceil(in/C)]
+  NAME.weight_lo_scale    bf16  [ceil(out/R)]
+  NAME.weight_step_scale  bf16  [ceil(out/R)]
   NAME.weight_shape       int32 [2]               (out, in) before padding
 """
 from __future__ import annotations
 
 import dataclasses
+import typing
+from typing import Literal, Mapping
 
 import torch
 
 LEVELS = 8
 TINY = 1e-12
-SUFFIXES = ("packed", "lo", "step", "delta", "lo_scale", "step_scale", "shape")
+Kind = Literal["packed", "lo", "step", "delta", "lo_scale", "step_scale", "shape"]
+KINDS: tuple[Kind, ...] = typing.get_args(Kind)
+# What the kernels read: everything but the shape record.
+KERNEL_KINDS: tuple[Kind, ...] = KINDS[:-1]
 METADATA = "int8-lo/uint8-step/uint8-delta+bf16-row-scales"
 SUPPORTED_VERSIONS = (1,)
 
@@ -53,6 +59,10 @@ class A3BConfig:
             raise QuantizationError(
                 f"block shape {self.block_rows}x{self.block_cols} is invalid: rows >= 1, columns even and >= 2"
             )
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return self.block_rows, self.block_cols
 
     def to_json(self) -> dict:
         return {"quant_method": "a3b", "version": self.version, "block_shape": [self.block_rows, self.block_cols],
@@ -84,8 +94,36 @@ class A3BConfig:
             raise QuantizationError(f"quantization_config.block_shape: {exc}") from None
 
 
+def ceil_div(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def stored_tensors(out_features: int, in_features: int, block: tuple[int, int]) -> dict[Kind, StoredTensor]:
+    """The stored A3B tensors of one [out, in] weight in blocks of `block` (rows, columns)."""
+    rows, cols = block
+    block_rows, block_cols = ceil_div(out_features, rows), ceil_div(in_features, cols)
+    return {
+        "packed": StoredTensor(torch.uint8, (out_features, ceil_div(in_features, 2))),
+        "lo": StoredTensor(torch.int8, (block_rows, block_cols)),
+        "step": StoredTensor(torch.uint8, (block_rows, block_cols)),
+        "delta": StoredTensor(torch.uint8, (block_rows, block_cols)),
+        "lo_scale": StoredTensor(torch.bfloat16, (block_rows,)),
+        "step_scale": StoredTensor(torch.bfloat16, (block_rows,)),
+        "shape": StoredTensor(torch.int32, (2,)),
+    }
+
+
 @dataclasses.dataclass
 class A3BWeight:
+    """One weight's stored tensors; with a leading expert dimension on every
+    field, a stack of same-shaped experts (`stack`, `expert`)."""
+
     packed: torch.Tensor
     lo: torch.Tensor
     step: torch.Tensor
@@ -94,18 +132,49 @@ class A3BWeight:
     step_scale: torch.Tensor
     shape: torch.Tensor
 
+    @classmethod
+    def for_kernels(cls, tensors: Mapping[Kind, torch.Tensor], out_features: int, in_features: int) -> "A3BWeight":
+        """The weight (or a stack of experts) from its kernel tensors, as loaded into a layer, and its known shape."""
+        experts = tensors["packed"].shape[:-2]
+        shape = torch.tensor([out_features, in_features], dtype=torch.int32).expand(*experts, 2)
+        return cls(**{kind: tensors[kind] for kind in KERNEL_KINDS}, shape=shape)
+
+    @property
+    def out_features(self) -> int:
+        return int(self.shape.reshape(-1, 2)[0, 0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.shape.reshape(-1, 2)[0, 1])
+
+    def kernel_tensors(self) -> tuple[torch.Tensor, ...]:
+        """packed, lo, step, delta, lo_scale, step_scale: the kernels' argument order."""
+        return tuple(getattr(self, kind) for kind in KERNEL_KINDS)
+
+    def to(self, device: torch.device | str) -> "A3BWeight":
+        """The kernel tensors on `device`; the shape record stays on the host, where it is read."""
+        return A3BWeight(*(getattr(self, kind).to(device) for kind in KERNEL_KINDS), shape=self.shape)
+
+    def expert(self, index: int) -> "A3BWeight":
+        return A3BWeight(*(getattr(self, kind)[index] for kind in KINDS))
+
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {f"{prefix}_{name}": getattr(self, name) for name in SUFFIXES}
+        return {f"{prefix}_{kind}": getattr(self, kind) for kind in KINDS}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str) -> "A3BWeight":
-        missing = [f"{prefix}_{n}" for n in SUFFIXES if f"{prefix}_{n}" not in tensors]
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], prefix: str) -> "A3BWeight":
+        missing = [f"{prefix}_{kind}" for kind in KINDS if f"{prefix}_{kind}" not in tensors]
         if missing:
             raise QuantizationError(f"A3B weight '{prefix}' lacks metadata tensors: {', '.join(missing)}")
-        return cls(**{n: tensors[f"{prefix}_{n}"] for n in SUFFIXES})
+        return cls(**{kind: tensors[f"{prefix}_{kind}"] for kind in KINDS})
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (getattr(self, n) for n in SUFFIXES))
+        return sum(t.numel() * t.element_size() for t in (getattr(self, kind) for kind in KINDS))
+
+
+def stack(weights: list[A3BWeight]) -> A3BWeight:
+    """Same-shaped experts' weights in the stacked layout the MoE kernels read."""
+    return A3BWeight(*(torch.stack([getattr(w, kind) for w in weights]) for kind in KINDS))
 
 
 # ---------------------------------------------------------------------------
@@ -115,74 +184,82 @@ def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, (-inp) % cols, 0, (-out) % rows))
 
 
-def to_blocks(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """[R*nbr, C*nbc] -> [nbr*nbc, R*C], blocks in row-major block order."""
-    nbr, nbc = x.shape[0] // rows, x.shape[1] // cols
-    return x.reshape(nbr, rows, nbc, cols).permute(0, 2, 1, 3).reshape(nbr * nbc, rows * cols)
+def to_blocks(matrix: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """[rows*nbr, cols*nbc] -> [nbr*nbc, rows*cols], blocks in row-major block order."""
+    nbr, nbc = matrix.shape[0] // rows, matrix.shape[1] // cols
+    return matrix.reshape(nbr, rows, nbc, cols).permute(0, 2, 1, 3).reshape(nbr * nbc, rows * cols)
 
 
-def from_blocks(b: torch.Tensor, nbr: int, nbc: int, rows: int, cols: int) -> torch.Tensor:
-    return b.reshape(nbr, nbc, rows, cols).permute(0, 2, 1, 3).reshape(nbr * rows, nbc * cols)
+def from_blocks(blocks: torch.Tensor, nbr: int, nbc: int, rows: int, cols: int) -> torch.Tensor:
+    return blocks.reshape(nbr, nbc, rows, cols).permute(0, 2, 1, 3).reshape(nbr * rows, nbc * cols)
 
 
 # ---------------------------------------------------------------------------
 # Fitting
-def assign(w: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Nearest table entry per weight: (k in 0..7, s in {0, 1})."""
+def assign(values: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, delta: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest table entry per value: (level k in 0..7, sign bit s in {0, 1})."""
     safe = step.clamp_min(TINY)
-    k_minus = ((w - lo + d) / safe).round().clamp(0, LEVELS - 1)
-    k_plus = ((w - lo - d) / safe).round().clamp(0, LEVELS - 1)
-    err_minus = (w - (lo + k_minus * step - d)).abs()
-    err_plus = (w - (lo + k_plus * step + d)).abs()
+    k_minus = ((values - lo + delta) / safe).round().clamp(0, LEVELS - 1)
+    k_plus = ((values - lo - delta) / safe).round().clamp(0, LEVELS - 1)
+    err_minus = (values - (lo + k_minus * step - delta)).abs()
+    err_plus = (values - (lo + k_plus * step + delta)).abs()
     plus = err_plus < err_minus
     return torch.where(plus, k_plus, k_minus), plus
 
 
-def _refit(w, h, k, plus, lo, step, d):
-    sign = plus.to(w.dtype) * 2 - 1
-    feats = torch.stack([torch.ones_like(w), k, sign], dim=-1)  # [nb, n, 3]
-    weighted = feats * h.unsqueeze(-1)
-    gram = weighted.transpose(1, 2) @ feats + 1e-9 * torch.eye(3, dtype=w.dtype)
-    rhs = (weighted * w.unsqueeze(-1)).sum(1)
+Table = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (lo, step, delta), each [blocks, 1]
+
+
+def _refit(blocks: torch.Tensor, importance: torch.Tensor, level: torch.Tensor, plus: torch.Tensor,
+           table: Table) -> Table:
+    """Weighted least squares of (lo, step, delta) for fixed code assignments."""
+    sign = plus.to(blocks.dtype) * 2 - 1
+    feats = torch.stack([torch.ones_like(blocks), level, sign], dim=-1)  # [nb, n, 3]
+    weighted = feats * importance.unsqueeze(-1)
+    gram = weighted.transpose(1, 2) @ feats + 1e-9 * torch.eye(3, dtype=blocks.dtype)
+    rhs = (weighted * blocks.unsqueeze(-1)).sum(1)
     sol, info = torch.linalg.solve_ex(gram, rhs)
     # Singular systems (constant blocks, a single code in use) keep their fit.
     ok = (info == 0).unsqueeze(-1) & torch.isfinite(sol).all(-1, keepdim=True) & (sol[:, 1:2] >= 0)
-    new_lo, new_step, new_d = sol[:, 0:1], sol[:, 1:2], sol[:, 2:3].abs()
-    return torch.where(ok, new_lo, lo), torch.where(ok, new_step, step), torch.where(ok, new_d, d)
+    lo, step, delta = table
+    return (torch.where(ok, sol[:, 0:1], lo), torch.where(ok, sol[:, 1:2], step),
+            torch.where(ok, sol[:, 2:3].abs(), delta))
 
 
-def _block_error(w, h, lo, step, d):
-    k, plus = assign(w, lo, step, d)
-    value = lo + k * step + torch.where(plus, d, -d)
-    return (h * (w - value) ** 2).sum(1, keepdim=True)
+def _block_error(blocks: torch.Tensor, importance: torch.Tensor, table: Table) -> torch.Tensor:
+    lo, step, delta = table
+    level, plus = assign(blocks, lo, step, delta)
+    value = lo + level * step + torch.where(plus, delta, -delta)
+    return (importance * (blocks - value) ** 2).sum(1, keepdim=True)
 
 
-def fit_blocks(w: torch.Tensor, h: torch.Tensor, iterations: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Weighted Lloyd fit of (lo, step, d) per block row of w [nb, n]; h >= 0 weights."""
-    live = h > 0
-    big = torch.finfo(w.dtype).max
-    wmin = torch.where(live, w, torch.full_like(w, big)).amin(1, keepdim=True)
-    wmax = torch.where(live, w, torch.full_like(w, -big)).amax(1, keepdim=True)
+def fit_blocks(blocks: torch.Tensor, importance: torch.Tensor, iterations: int) -> Table:
+    """Weighted Lloyd fit of (lo, step, delta) per row of blocks [nb, n]; importance >= 0."""
+    live = importance > 0
+    big = torch.finfo(blocks.dtype).max
+    wmin = torch.where(live, blocks, torch.full_like(blocks, big)).amin(1, keepdim=True)
+    wmax = torch.where(live, blocks, torch.full_like(blocks, -big)).amax(1, keepdim=True)
     empty = ~live.any(1, keepdim=True)
     wmin, wmax = torch.where(empty, 0.0, wmin), torch.where(empty, 0.0, wmax)
     unit = (wmax - wmin) / (2 * LEVELS)
     # The uniform 16-level grid over [min, max] at bin centres = INT4 RTN.
-    lo, step, d = wmin + unit, 2 * unit, unit / 2
-    err = _block_error(w, h, lo, step, d)
+    table = (wmin + unit, 2 * unit, unit / 2)
+    err = _block_error(blocks, importance, table)
     for _ in range(iterations):
-        k, plus = assign(w, lo, step, d)
-        cand = _refit(w, h, k, plus, lo, step, d)
-        cand_err = _block_error(w, h, *cand)
-        better = cand_err < err
-        lo, step, d = (torch.where(better, c, o) for c, o in zip(cand, (lo, step, d)))
-        err = torch.where(better, cand_err, err)
-    return lo, step, d
+        level, plus = assign(blocks, *table)
+        candidate = _refit(blocks, importance, level, plus, table)
+        candidate_err = _block_error(blocks, importance, candidate)
+        better = candidate_err < err
+        table = tuple(torch.where(better, c, o) for c, o in zip(candidate, table))
+        err = torch.where(better, candidate_err, err)
+    return table
 
 
 # ---------------------------------------------------------------------------
 # Metadata double quantization
-def _quantize_metadata(lo, step, d, nbr, nbc):
-    lo, step, d = lo.reshape(nbr, nbc), step.reshape(nbr, nbc), d.reshape(nbr, nbc)
+def _quantize_metadata(table: Table, nbr: int, nbc: int) -> tuple[torch.Tensor, ...]:
+    lo, step, delta = (t.reshape(nbr, nbc) for t in table)
     # bf16 scales: fp32's range (huge and tiny weights survive) at half the bytes;
     # the int8/uint8 values are computed against the rounded scale.
     lo_scale = (lo.abs().amax(1) / 127).clamp_min(TINY).to(torch.bfloat16).float()
@@ -190,16 +267,16 @@ def _quantize_metadata(lo, step, d, nbr, nbc):
     step_scale = (step.amax(1) / 255).clamp_min(TINY).to(torch.bfloat16).float()
     step_q = (step / step_scale[:, None]).round().clamp(0, 255)
     step_deq = step_q * step_scale[:, None]
-    d_q = (d / step_deq.clamp_min(TINY) * 255).round().clamp(0, 255)
-    return lo_q, lo_scale, step_q, step_scale, d_q
+    delta_q = (delta / step_deq.clamp_min(TINY) * 255).round().clamp(0, 255)
+    return lo_q, lo_scale, step_q, step_scale, delta_q
 
 
-def table_params(q: A3BWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-block float (lo, step, d), each [nbr, nbc]."""
-    lo = q.lo.float() * q.lo_scale.float()[:, None]
-    step = q.step.float() * q.step_scale.float()[:, None]
-    d = step * q.delta.float() / 255
-    return lo, step, d
+def table_params(weight: A3BWeight) -> Table:
+    """Per-block float (lo, step, delta), each [nbr, nbc]."""
+    lo = weight.lo.float() * weight.lo_scale.float()[:, None]
+    step = weight.step.float() * weight.step_scale.float()[:, None]
+    delta = step * weight.delta.float() / 255
+    return lo, step, delta
 
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -214,54 +291,58 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def quantize(w: torch.Tensor, config: A3BConfig = A3BConfig(), col_importance: torch.Tensor | None = None,
+def quantize(weight: torch.Tensor, config: A3BConfig = A3BConfig(), col_importance: torch.Tensor | None = None,
              name: str = "weight") -> A3BWeight:
     """W[out, in] -> A3B; col_importance[in] (e.g. mean x^2 per input channel) weights the fit."""
-    if w.ndim != 2:
-        raise QuantizationError(f"tensor '{name}' has shape {list(w.shape)}; A3B quantizes 2-D weights only")
-    if not torch.isfinite(w).all():
-        bad = (~torch.isfinite(w)).nonzero()[0].tolist()
+    if weight.ndim != 2:
+        raise QuantizationError(f"tensor '{name}' has shape {list(weight.shape)}; A3B quantizes 2-D weights only")
+    if not torch.isfinite(weight).all():
+        bad = (~torch.isfinite(weight)).nonzero()[0].tolist()
         raise QuantizationError(f"tensor '{name}' holds NaN or Inf (first at index {bad}); refusing to quantize")
-    R, C = config.block_rows, config.block_cols
-    w = w.detach().float()
+    rows, cols = config.block
+    w = weight.detach().float()
     out, inp = w.shape
     h_cols = torch.ones(inp) if col_importance is None else col_importance.detach().float().clamp_min(0) + 1e-8
-    h = h_cols.expand(out, inp)
-    mask = _padded(torch.ones_like(w), R, C)
-    wp, hp = _padded(w, R, C), _padded(h, R, C) * mask
-    nbr, nbc = wp.shape[0] // R, wp.shape[1] // C
-    wb, hb = to_blocks(wp, R, C), to_blocks(hp, R, C)
-    lo, step, d = fit_blocks(wb, hb, config.iterations)
-    lo_q, lo_scale, step_q, step_scale, d_q = _quantize_metadata(lo, step, d, nbr, nbc)
+    mask = _padded(torch.ones_like(w), rows, cols)
+    wp, hp = _padded(w, rows, cols), _padded(h_cols.expand(out, inp), rows, cols) * mask
+    nbr, nbc = wp.shape[0] // rows, wp.shape[1] // cols
+    wb, hb = to_blocks(wp, rows, cols), to_blocks(hp, rows, cols)
+    lo_q, lo_scale, step_q, step_scale, delta_q = _quantize_metadata(fit_blocks(wb, hb, config.iterations), nbr, nbc)
     q = A3BWeight(
-        packed=torch.empty(0), lo=lo_q.to(torch.int8), step=step_q.to(torch.uint8), delta=d_q.to(torch.uint8),
+        packed=torch.empty(0), lo=lo_q.to(torch.int8), step=step_q.to(torch.uint8), delta=delta_q.to(torch.uint8),
         lo_scale=lo_scale.to(torch.bfloat16), step_scale=step_scale.to(torch.bfloat16),
         shape=torch.tensor([out, inp], dtype=torch.int32),
     )
     # Codes are assigned against the stored (rounded) table, so dequantize is exact.
-    flo, fstep, fd = (t.reshape(-1, 1) for t in table_params(q))
-    k, plus = assign(wb, flo, fstep, fd)
-    codes = from_blocks((k.to(torch.uint8) << 1) | plus.to(torch.uint8), nbr, nbc, R, C)
+    level, plus = assign(wb, *(t.reshape(-1, 1) for t in table_params(q)))
+    codes = from_blocks((level.to(torch.uint8) << 1) | plus.to(torch.uint8), nbr, nbc, rows, cols)
     # Padding codes are not stored: a partial last block costs only its metadata.
     q.packed = pack_codes(codes[:out, : inp + inp % 2])
     return q
 
 
-def dequantize(q: A3BWeight, config: A3BConfig) -> torch.Tensor:
+def check_shapes(weight: A3BWeight, block: tuple[int, int], name: str = "weight") -> None:
+    """Refuse tensors that do not fit the weight's recorded shape in `block` blocks."""
+    out, inp = weight.out_features, weight.in_features
+    for kind, spec in stored_tensors(out, inp, block).items():
+        got = tuple(getattr(weight, kind).shape)
+        if got != spec.shape:
+            raise QuantizationError(
+                f"{name}_{kind} has shape {list(got)}; a [{out}, {inp}] weight in {block[0]}x{block[1]} blocks "
+                f"needs {list(spec.shape)}")
+
+
+def dequantize(weight: A3BWeight, config: A3BConfig) -> torch.Tensor:
     """A3B -> float32 W[out, in]: one 16-entry table lookup per weight."""
-    R, C = config.block_rows, config.block_cols
-    out, inp = q.shape.tolist()
-    nbr, nbc = q.lo.shape
-    if q.packed.shape != (out, (inp + 1) // 2) or (nbr, nbc) != (-(-out // R), -(-inp // C)):
-        raise QuantizationError(
-            f"A3B tensors disagree: codes {list(q.packed.shape)} and {nbr}x{nbc} blocks of {R}x{C} "
-            f"for a weight of shape [{out}, {inp}]"
-        )
-    codes = _padded(unpack_codes(q.packed), R, C)
-    lo, step, d = table_params(q)
-    k = torch.arange(16, device=q.packed.device) >> 1
-    sign = (torch.arange(16, device=q.packed.device) & 1).float() * 2 - 1
-    tables = lo.reshape(-1, 1) + k.float() * step.reshape(-1, 1) + sign * d.reshape(-1, 1)  # [nb, 16]
-    block_codes = to_blocks(codes.long(), R, C)
-    values = torch.gather(tables, 1, block_codes)
-    return from_blocks(values, nbr, nbc, R, C)[:out, :inp]
+    rows, cols = config.block
+    check_shapes(weight, config.block)
+    out, inp = weight.out_features, weight.in_features
+    nbr, nbc = weight.lo.shape
+    codes = _padded(unpack_codes(weight.packed), rows, cols)
+    lo, step, delta = table_params(weight)
+    device = weight.packed.device
+    level = torch.arange(16, device=device) >> 1
+    sign = (torch.arange(16, device=device) & 1).float() * 2 - 1
+    tables = lo.reshape(-1, 1) + level.float() * step.reshape(-1, 1) + sign * delta.reshape(-1, 1)  # [nb, 16]
+    values = torch.gather(tables, 1, to_blocks(codes.long(), rows, cols))
+    return from_blocks(values, nbr, nbc, rows, cols)[:out, :inp]

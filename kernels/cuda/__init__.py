@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from a3b_backend.quant.format import A3BConfig, A3BWeight
-from kernels.kv_cache import PagedA3B, merge_splits, rotate
-from kernels.occupancy import splits_to_fill
+from a3b_backend.quant.format import A3BConfig, A3BWeight, ceil_div
+from a3b_kernels.kv_cache import PagedA3B, merge_splits, rotate
+from a3b_kernels.occupancy import splits_to_fill
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "a3b_ops.cpp", HERE / "a3b_gemv.cu", HERE / "a3b_paged_attention.cu"]
@@ -27,7 +27,7 @@ def ops():
 
 def a3b_gemv(x: torch.Tensor, q: A3BWeight, config: A3BConfig) -> torch.Tensor:
     """float32 y[M, N] for M <= 16 rows of bf16 x."""
-    return ops().a3b_gemv(x, q.packed, q.lo, q.step, q.delta, q.lo_scale, q.step_scale, config.block_cols)
+    return ops().a3b_gemv(x, *q.kernel_tensors(), config.block_cols)
 
 
 def paged_decode_attention(q: torch.Tensor, k: PagedA3B, v: PagedA3B, block_tables: torch.Tensor,
@@ -38,7 +38,7 @@ def paged_decode_attention(q: torch.Tensor, k: PagedA3B, v: PagedA3B, block_tabl
     kv_heads = k.codes.shape[2]
     if pages_per_split is None:  # as many splits as the Triton kernel takes
         splits = splits_to_fill(batch * kv_heads, block_tables.shape[1], per_sm=4)
-        pages_per_split = -(-block_tables.shape[1] // splits)
+        pages_per_split = ceil_div(block_tables.shape[1], splits)
     m, l, acc = ops().a3b_paged_decode(rotate(q), k.codes, k.meta, v.codes, v.meta, block_tables, seq_lens,
                                        pages_per_split, dim ** -0.5 if scale is None else scale)
     return rotate(merge_splits(m, l, acc).reshape(batch, heads, dim))

@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_cache import ITERATIONS, PagedA3B, merge_splits, rotate
-from kernels.occupancy import splits_to_fill
-from kernels.triton.a3b_matmul import table_value
+from a3b_kernels.kv_cache import ITERATIONS, PagedA3B, merge_splits, rotate
+from a3b_kernels.occupancy import splits_to_fill
+from a3b_kernels.triton.a3b_matmul import table_value
 
 
 @triton.jit

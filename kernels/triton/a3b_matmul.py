@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from a3b_backend.quant.format import A3BConfig, A3BWeight
-from kernels.occupancy import splits_to_fill
+from a3b_kernels.occupancy import splits_to_fill
 
 DECODE_ROWS = 16  # up to this many rows a call is bound by reading the weight
 FP16_MAX = tl.constexpr(65504.0)
@@ -125,7 +125,7 @@ def a3b_matmul(x: torch.Tensor, q: A3BWeight, config: A3BConfig, out: torch.Tens
     y = torch.empty(M, N, dtype=torch.float32, device=x.device) if out is None else out
     if split_k > 1:
         y.zero_()
-    _a3b_matmul_kernel[(*grid_mn, split_k)](x, q.packed, q.lo, q.step, q.delta, q.lo_scale, q.step_scale, y,
+    _a3b_matmul_kernel[(*grid_mn, split_k)](x, *q.kernel_tensors(), y,
                                             M, N, K, n_kblocks, BLOCK_M=block_m, BLOCK_N=block_n,
                                             GROUP=config.block_cols, SPLIT_K=split_k, DOT_FP16=dot_fp16)
     return y

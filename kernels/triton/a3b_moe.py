@@ -9,8 +9,8 @@ program multiplies BLOCK_M rows of one expert by a BLOCK_N slice of its weight.
 The expert MLP is SiLU(x W_gate^T) * (x W_up^T) then W_down, router weights on
 the output, as Qwen3.6's experts (hidden 2048, 512 per expert, 8 of 256 routed).
 
-Experts' A3B tensors are stacked: packed [E, N, ceil(K/2)], lo/step/delta
-[E, N, K/C], lo_scale/step_scale [E, N].
+Experts' A3B weights are stacked (`format.stack`): every stored tensor with a
+leading expert dimension.
 """
 from __future__ import annotations
 
@@ -19,14 +19,7 @@ import triton
 import triton.language as tl
 
 from a3b_backend.quant.format import A3BWeight
-from kernels.triton.a3b_matmul import DECODE_ROWS, a3b_accumulate
-
-KINDS = ("packed", "lo", "step", "delta", "lo_scale", "step_scale")
-
-
-def stack(weights: list[A3BWeight]) -> dict[str, torch.Tensor]:
-    """Experts' A3B weights (same shape) in the stacked layout the kernel reads."""
-    return {kind: torch.stack([getattr(w, kind) for w in weights]) for kind in KINDS}
+from a3b_kernels.triton.a3b_matmul import DECODE_ROWS, a3b_accumulate
 
 
 @triton.jit
@@ -76,7 +69,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     return sorted_rows, block_expert
 
 
-def grouped_matmul(x: torch.Tensor, experts: dict[str, torch.Tensor], sorted_rows: torch.Tensor,
+def grouped_matmul(x: torch.Tensor, experts: A3BWeight, sorted_rows: torch.Tensor,
                    block_expert: torch.Tensor, num_rows: int, top_k: int, x_by_token: bool, group: int,
                    block_m: int = 16, block_n: int = 32, out: torch.Tensor | None = None,
                    dot_fp16: bool | None = None) -> torch.Tensor:
@@ -84,24 +77,24 @@ def grouped_matmul(x: torch.Tensor, experts: dict[str, torch.Tensor], sorted_row
     @ W_{expert(r)}^T; rows of no local expert are not written (0 in a new y).
     fp16 tensor-core dots when the batch has more tokens than a decode step
     (as the dense kernel), unless `dot_fp16` says otherwise."""
-    N = experts["packed"].shape[1]
+    N = experts.packed.shape[1]
     K = x.shape[1]
     y = torch.zeros(num_rows, N, dtype=torch.float32, device=x.device) if out is None else out
     grid = (block_expert.numel(), triton.cdiv(N, block_n))
-    _a3b_moe_kernel[grid](x.contiguous(), sorted_rows, block_expert, *(experts[k] for k in KINDS), y, num_rows, N,
-                          K, experts["lo"].shape[2], top_k, X_BY_TOKEN=x_by_token, BLOCK_M=block_m,
+    _a3b_moe_kernel[grid](x.contiguous(), sorted_rows, block_expert, *experts.kernel_tensors(), y, num_rows, N,
+                          K, experts.lo.shape[2], top_k, X_BY_TOKEN=x_by_token, BLOCK_M=block_m,
                           BLOCK_N=block_n, GROUP=group,
                           DOT_FP16=num_rows // top_k > DECODE_ROWS if dot_fp16 is None else dot_fp16)
     return y
 
 
-def a3b_moe(x: torch.Tensor, w13: dict[str, torch.Tensor], w2: dict[str, torch.Tensor], topk_weights: torch.Tensor,
+def a3b_moe(x: torch.Tensor, w13: A3BWeight, w2: A3BWeight, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor, group: int, block_m: int = 16) -> torch.Tensor:
     """float32 out[T, H] = sum_k topk_weights[t, k] * expert_{ids[t, k]}(x[t]),
     w13 = [gate; up] stacked per expert ([E, 2I, H] as A3B), w2 = down ([E, H, I])."""
     tokens, top_k = topk_ids.shape
     num_rows = tokens * top_k
-    sorted_rows, block_expert = align(topk_ids, w13["packed"].shape[0], block_m)
+    sorted_rows, block_expert = align(topk_ids, w13.packed.shape[0], block_m)
     gate_up = grouped_matmul(x, w13, sorted_rows, block_expert, num_rows, top_k, True, group, block_m)
     gate, up = gate_up.chunk(2, dim=-1)
     act = (torch.nn.functional.silu(gate) * up).to(x.dtype)

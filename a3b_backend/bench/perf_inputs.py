@@ -2,7 +2,7 @@
 real English text, in both wire flavours (vllm_backend and TensorRT-LLM), plus
 the RAG mix (shared system prompt + one long document chunk + a short question).
 
-    python -m a3b_backend.perf_inputs --profile cpu --out perf/inputs/cpu
+    python -m a3b_backend.bench.perf_inputs --profile cpu --out perf/inputs/cpu
 
 Token counts are exact under the served model's tokenizer as preprocessing
 counts them (`encode(text, add_special_tokens=True)`, no chat template), so the

@@ -6,7 +6,9 @@ Two strategies keep the weight packed in memory (docs/a3b_format.md):
   fused    codes read in place by `a3b_linear` for up to FUSED_MAX_ROWS rows of
            x (decode), one dequantize + float32 GEMM above that (prefill);
   dequant  dequantize the whole weight on every call, then the GEMM.
-perf/a3b_cpu_linear.py measures both; the figures chose the default.
+`make bench-cpu-linear` times the fused kernel against dequantize + GEMM by
+row count (perf/results/cpu_linear.md): where the fused kernel stops winning
+is FUSED_MAX_ROWS.
 """
 from __future__ import annotations
 
@@ -15,13 +17,18 @@ import hashlib
 import importlib.util
 import os
 import tempfile
+import typing
 from pathlib import Path
+from typing import Literal
 
 import torch
 
+from a3b_backend.quant.format import A3BWeight
+
 SOURCE = Path(__file__).with_name("a3b_cpu.cpp")
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
-STRATEGIES = ("fused", "dequant")
+Strategy = Literal["fused", "dequant"]
+STRATEGIES: tuple[Strategy, ...] = typing.get_args(Strategy)
 FUSED_MAX_ROWS = 8
 
 
@@ -53,16 +60,14 @@ def ops():
     return module
 
 
-def dequantize(t: dict[str, torch.Tensor], in_features: int, block: tuple[int, int]) -> torch.Tensor:
-    """float32 W[out, in] from the packed tensors (keys as in A3BWeight)."""
-    return ops().a3b_dequantize(t["packed"], t["lo"], t["step"], t["delta"], t["lo_scale"], t["step_scale"],
-                                in_features, *block)
+def dequantize(weight: A3BWeight, block: tuple[int, int]) -> torch.Tensor:
+    """float32 W[out, in] from the packed tensors."""
+    return ops().a3b_dequantize(*weight.kernel_tensors(), weight.in_features, *block)
 
 
-def linear(x: torch.Tensor, t: dict[str, torch.Tensor], in_features: int, block: tuple[int, int],
-           strategy: str = "fused") -> torch.Tensor:
+def linear(x: torch.Tensor, weight: A3BWeight, block: tuple[int, int], strategy: Strategy = "fused",
+           fused_max_rows: int = FUSED_MAX_ROWS) -> torch.Tensor:
     """float32 y[M, out] = x[M, in] @ W^T."""
-    if strategy == "fused" and x.shape[0] <= FUSED_MAX_ROWS:
-        return ops().a3b_linear(x, t["packed"], t["lo"], t["step"], t["delta"], t["lo_scale"], t["step_scale"],
-                                *block)
-    return torch.nn.functional.linear(x.float(), dequantize(t, in_features, block))
+    if strategy == "fused" and x.shape[0] <= fused_max_rows:
+        return ops().a3b_linear(x, *weight.kernel_tensors(), *block)
+    return torch.nn.functional.linear(x.float(), dequantize(weight, block))

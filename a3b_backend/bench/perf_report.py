@@ -1,7 +1,7 @@
 """LLM latency metrics from per-request timestamps: perf_analyzer's
 `--profile-export-file` JSON, or records from our own clients.
 
-    python -m a3b_backend.perf_report perf/results/cpu/*.json --tokenizer models/... --out perf/results/cpu
+    python -m a3b_backend.bench.perf_report perf/results/cpu/*.json --tokenizer models/... --out perf/results/cpu
 
 Per load level: TTFT, inter-token latency and end-to-end latency (p50/p90/p99),
 output tokens/s and requests/s, as genai-perf defines them: TTFT is the first

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from a3b_backend.perf_report import LoadLevel, RequestRecord
+from a3b_backend.bench.perf_report import LoadLevel, RequestRecord
 
 BUSY_MARKER = "server busy"
 
