@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL_DIR ?= models/smollm2-135m-instruct
 
-.PHONY: setup model serve test test-unit render perf-tools need-venv perf perf-inputs genai-perf locust bench-overload bench-overhead bench-prefix-cache bench-shutdown bench-cpu-modes bench-a3b bench-gpu kv-report quality clean
+.PHONY: setup model serve test test-unit render perf-tools need-venv perf perf-inputs genai-perf locust bench-overload bench-overhead bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu kv-report quality clean
 
 setup:
 	bash scripts/setup.sh
@@ -83,6 +83,10 @@ bench-overhead: setup model
 # vLLM eager/compiled x bf16/float32 on the cpu profile (why it runs eager float32)
 bench-cpu-modes: setup model
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) perf/cpu_engine_modes.py
+
+# the CPU A3B linear: fused kernel vs dequantize + GEMM by rows (sets FUSED_MAX_ROWS)
+bench-cpu-linear: setup
+	$(PY) perf/cpu_linear.py
 
 # bf16 vs A3B (each CPU strategy) side by side: speed, memory, greedy agreement
 bench-a3b: setup model

@@ -21,6 +21,18 @@ def _t(name: str, dtype: str, dims: tuple[int, ...] = (1,), optional: bool = Tru
     return Tensor(name, dtype, dims, optional)
 
 
+def names(tensors: tuple[Tensor, ...]) -> tuple[str, ...]:
+    return tuple(t.name for t in tensors)
+
+
+# The token-level engine model and the tensors its adapters and the
+# postprocessing step's cancellation forwarding name.
+LLM_MODEL = "a3b_llm"
+POSTPROCESS_CONFIG = "postprocess_config"
+ABORT_REQUEST_ID = "abort_request_id"
+REQUEST_ID = "request_id"
+
+
 VLLM_BACKEND_INPUTS = (
     # Optional in the config although required: Triton 2.51's ensemble drops a
     # request missing a required input without any error, so preprocessing
@@ -68,12 +80,12 @@ LLM_REQUEST_INPUTS = (
     _t("stream", "BOOL"),
     # Opaque JSON echoed on every response: postprocessing is fed only by the
     # decoupled a3b_llm, so whatever it needs must travel through it.
-    _t("postprocess_config", "STRING"),
+    _t(POSTPROCESS_CONFIG, "STRING"),
 )
 # A control request: abort the generation with this request_id. Triton 2.51
 # does not pass an ensemble client's cancellation to a3b_llm, but
 # postprocessing sees it and forwards it with this.
-LLM_CONTROL_INPUTS = (_t("abort_request_id", "STRING"),)
+LLM_CONTROL_INPUTS = (_t(ABORT_REQUEST_ID, "STRING"),)
 LLM_INPUTS = LLM_REQUEST_INPUTS + LLM_CONTROL_INPUTS
 # a3b_llm -> postprocessing (one set per engine step)
 LLM_OUTPUTS = (
@@ -86,8 +98,8 @@ LLM_OUTPUTS = (
     _t("logprobs", "STRING", (1,)),
     _t("num_input_tokens", "UINT32", (1,)),
     _t("num_output_tokens", "UINT32", (1,)),
-    _t("postprocess_config", "STRING", (1,)),
-    _t("request_id", "STRING", (1,)),
+    _t(POSTPROCESS_CONFIG, "STRING", (1,)),
+    _t(REQUEST_ID, "STRING", (1,)),
 )
 PREPROCESS_OUTPUTS = tuple(dataclasses.replace(t, optional=False) for t in LLM_REQUEST_INPUTS)
 POSTPROCESS_INPUTS = tuple(dataclasses.replace(t, optional=False) for t in LLM_OUTPUTS)

@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from a3b_backend.contract import POSTPROCESS_CONFIG, REQUEST_ID
 from a3b_backend.detokenize import DecodeRule
-from a3b_backend.request import (Limits, RequestError, check_token_ids, finalize_sampling, parse_sampling_json,
-                                 string_input)
+from a3b_backend.request import Limits, check_token_ids, finalize_sampling, parse_sampling_json
+from a3b_backend.triton_io import RequestError, string_tensor, string_value
 
 # Validated for clear errors, but not SamplingParams fields in vLLM 0.32.
 _NOT_ENGINE_FIELDS = ("best_of", "use_beam_search")
@@ -61,7 +62,7 @@ def parse_llm_request(tensors: dict[str, np.ndarray], limits: Limits) -> LlmRequ
         raise RequestError("input 'input_ids' is required (INT32 token ids, shape [-1])")
     prompt_ids = tensors["input_ids"].reshape(-1).tolist()
     check_token_ids(prompt_ids, limits)
-    sampling = finalize_sampling(parse_sampling_json(string_input(tensors, "sampling_parameters")),
+    sampling = finalize_sampling(parse_sampling_json(string_value(tensors, "sampling_parameters")),
                                  len(prompt_ids), limits)
     stream = tensors.get("stream")
     return LlmRequest(prompt_ids=prompt_ids, sampling=sampling,
@@ -115,8 +116,8 @@ class StepTracker:
 def request_arrays(postprocess_config: str, request_id: str) -> dict[str, np.ndarray]:
     """Outputs that are the same on every step of a request: built once, not per token."""
     return {
-        "postprocess_config": np.array([postprocess_config.encode("utf-8")], dtype=np.object_),
-        "request_id": np.array([request_id.encode()], dtype=np.object_),
+        POSTPROCESS_CONFIG: string_tensor(postprocess_config),
+        REQUEST_ID: string_tensor(request_id),
     }
 
 
@@ -125,11 +126,11 @@ def step_arrays(step: Step, per_request: dict[str, np.ndarray]) -> dict[str, np.
     return {
         "token_ids": np.asarray(step.token_ids, dtype=np.int32),
         "context_ids": np.asarray(step.context_ids, dtype=np.int32),
-        "finish_reason": np.array([step.finish_reason.encode()], dtype=np.object_),
-        "stop_reason": np.array([step.stop_reason.encode("utf-8")], dtype=np.object_),
+        "finish_reason": string_tensor(step.finish_reason),
+        "stop_reason": string_tensor(step.stop_reason),
         "cumulative_logprob": np.array([step.cumulative_logprob], dtype=np.float32),
         "token_logprobs": np.asarray(step.token_logprobs, dtype=np.float32),
-        "logprobs": np.array([step.logprobs_json.encode("utf-8")], dtype=np.object_),
+        "logprobs": string_tensor(step.logprobs_json),
         "num_input_tokens": np.array([step.num_input_tokens], dtype=np.uint32),
         "num_output_tokens": np.array([step.num_output_tokens], dtype=np.uint32),
         **per_request,

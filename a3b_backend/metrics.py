@@ -40,38 +40,43 @@ class TritonMetrics:
 
     def __init__(self, pb_utils: Any, labels: dict[str, str]):
         self._families = {}
-        self.metric: dict[str, Any] = {}
+        self._metric: dict[str, Any] = {}
         for name, (kind, description, buckets) in METRICS.items():
             family = pb_utils.MetricFamily(name=name, description=description,
                                            kind=getattr(pb_utils.MetricFamily, kind))
             self._families[name] = family
-            self.metric[name] = family.Metric(labels=labels, buckets=buckets) if buckets else family.Metric(
+            self._metric[name] = family.Metric(labels=labels, buckets=buckets) if buckets else family.Metric(
                 labels=labels)
 
     def engine_state(self, up: bool) -> None:
-        if not self.metric:
+        if not self._metric:
             return
-        self.metric["a3b_engine_up"].set(1 if up else 0)
+        self._metric["a3b_engine_up"].set(1 if up else 0)
         if not up:
-            self.metric["a3b_engine_restarts_total"].increment(1)
+            self._metric["a3b_engine_restarts_total"].increment(1)
+
+    def rejected(self) -> None:
+        """A request refused because the admission queue was full."""
+        if self._metric:
+            self._metric["a3b_request_rejected_total"].increment(1)
 
     def in_flight(self, count: int) -> None:
-        if self.metric:
-            self.metric["a3b_num_requests_in_flight"].set(count)
+        if self._metric:
+            self._metric["a3b_num_requests_in_flight"].set(count)
 
     def release(self) -> None:
         """Drops the metric objects, metrics before their families, while the
         stub can still talk to the server: left to the stub's own teardown,
         their destructors crash it (python_backend 2.51 segfaults in
         Metric::Clear on exit)."""
-        self.metric.clear()
+        self._metric.clear()
         self._families.clear()
 
     def stat_logger_factory(self):
         """A factory vLLM's AsyncLLM accepts in `stat_loggers`."""
         from vllm.v1.metrics.loggers import StatLoggerBase
 
-        metrics = self.metric
+        metrics = self._metric
 
         class TritonStatLogger(StatLoggerBase):
             def __init__(self, vllm_config, engine_index: int = 0):

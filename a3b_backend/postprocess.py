@@ -6,8 +6,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from a3b_backend.contract import POSTPROCESS_CONFIG
 from a3b_backend.detokenize import DecodeRule, text_delta
-from a3b_backend.request import string_input
+from a3b_backend.triton_io import string_tensor, string_value
 
 
 # Like vllm_backend, an output is sent only when its flag asks for it.
@@ -26,9 +27,9 @@ def _float(tensors: Mapping[str, np.ndarray], name: str) -> float:
 
 
 def step_outputs(tensors: Mapping[str, np.ndarray], tokenizer: Any) -> dict[str, np.ndarray]:
-    config = json.loads(string_input(tensors, "postprocess_config") or "{}")
+    config = json.loads(string_value(tensors, POSTPROCESS_CONFIG) or "{}")
     rule = DecodeRule.from_params(config)
-    finish_reason = string_input(tensors, "finish_reason")
+    finish_reason = string_value(tensors, "finish_reason")
     final = bool(finish_reason)
     text = text_delta(
         tokenizer,
@@ -36,17 +37,17 @@ def step_outputs(tensors: Mapping[str, np.ndarray], tokenizer: Any) -> dict[str,
         tensors["token_ids"].reshape(-1).tolist(),
         rule,
         final=final,
-        stopped_by=string_input(tensors, "stop_reason") or None,
+        stopped_by=string_value(tensors, "stop_reason") or None,
     )
     if final and config.get("echo"):
         text = config["echo"] + text
     cumulative = _float(tensors, "cumulative_logprob")
     token_logprobs = tensors["token_logprobs"].reshape(-1).astype(np.float32)
     outputs = {
-        "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
-        "finish_reason": np.array([finish_reason.encode()], dtype=np.object_),
+        "text_output": string_tensor(text),
+        "finish_reason": string_tensor(finish_reason),
         "cumulative_logprob": np.array([cumulative], dtype=np.float32),
-        "logprobs": np.array([string_input(tensors, "logprobs").encode("utf-8")], dtype=np.object_),
+        "logprobs": string_tensor(string_value(tensors, "logprobs")),
         "num_input_tokens": tensors["num_input_tokens"].reshape(1).astype(np.uint32),
         "num_output_tokens": tensors["num_output_tokens"].reshape(1).astype(np.uint32),
         "cum_log_probs": np.array([cumulative], dtype=np.float32),

@@ -7,8 +7,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from a3b_backend.request import (GenerationRequest, Limits, RequestError, check_prompt_size, finalize_sampling,
-                                 parse_request)
+from a3b_backend.request import GenerationRequest, Limits, check_prompt_size, finalize_sampling, parse_request
+from a3b_backend.triton_io import RequestError, string_tensor
 
 
 @dataclasses.dataclass
@@ -55,7 +55,7 @@ def prepare(tensors: Mapping[str, np.ndarray], tokenizer: Any, limits: Limits) -
 def prepared_arrays(prepared: Prepared) -> dict[str, np.ndarray]:
     return {
         "input_ids": np.asarray(prepared.input_ids, dtype=np.int32),
-        "sampling_parameters": np.array([prepared.sampling_json.encode("utf-8")], dtype=np.object_),
+        "sampling_parameters": string_tensor(prepared.sampling_json),
         "stream": np.array([prepared.stream], dtype=bool),
-        "postprocess_config": np.array([prepared.postprocess_config.encode("utf-8")], dtype=np.object_),
+        "postprocess_config": string_tensor(prepared.postprocess_config),
     }

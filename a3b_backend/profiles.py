@@ -1,8 +1,8 @@
 """Deployment profiles: the one source of truth for engine and model settings.
 
 Every model in the repository reads its settings from here (selected by the
-A3B_PROFILE environment variable or the model config parameter `profile`), so
-the tokenizer, the engine and the request limits can never disagree.
+A3B_PROFILE environment variable), so the tokenizer, the engine and the
+request limits can never disagree.
 """
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ def _ensemble() -> str:
     llm_out = {t.name: f"_llm_{t.name}" for t in contract.LLM_OUTPUTS}
     steps = [
         _step("preprocessing", {t.name: t.name for t in contract.TEXT_INPUTS}, llm_in),
-        _step("a3b_llm", llm_in, llm_out),
+        _step(contract.LLM_MODEL, llm_in, llm_out),
         _step("postprocessing", llm_out, {t.name: t.name for t in contract.TEXT_OUTPUTS}),
     ]
     return (
@@ -71,7 +71,7 @@ def render() -> dict[str, str]:
         "preprocessing": _python_model("preprocessing", contract.TEXT_INPUTS, contract.PREPROCESS_OUTPUTS,
                                        decoupled=False, instance_kind="KIND_CPU", count=1),
         # KIND_MODEL: vLLM places the model on its devices itself.
-        "a3b_llm": _python_model("a3b_llm", contract.LLM_INPUTS, contract.LLM_OUTPUTS,
+        contract.LLM_MODEL: _python_model(contract.LLM_MODEL, contract.LLM_INPUTS, contract.LLM_OUTPUTS,
                                  decoupled=True, instance_kind="KIND_MODEL", count=1),
         # One instance keeps the pieces of a stream in engine order.
         "postprocessing": _python_model("postprocessing", contract.POSTPROCESS_INPUTS, contract.TEXT_OUTPUTS,

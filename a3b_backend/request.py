@@ -9,24 +9,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import numpy as np
 
-
-class RequestError(ValueError):
-    """A client error: the message is sent back to the caller as it is."""
-
+from a3b_backend.triton_io import RequestError, decode_utf8, scalar, string_value
 
 # ---------------------------------------------------------------------------
 # Parameter table: name -> (kind, check, allowed-range text). `kind` coerces the
 # value (vllm_backend lets sampling_parameters carry numbers as strings).
 Check = Callable[[Any], bool]
+ParamKind = Literal["float", "int", "bool", "str_list", "int_list"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Param:
-    kind: str  # "float" | "int" | "bool" | "str_list" | "int_list"
+    kind: ParamKind
     check: Check
     allowed: str
 
@@ -104,38 +102,12 @@ class GenerationRequest:
 
 # ---------------------------------------------------------------------------
 # Tensor access helpers
-def _scalar(tensors: Mapping[str, np.ndarray], name: str) -> Any:
-    arr = tensors.get(name)
-    if arr is None:
-        return None
-    if arr.size != 1:
-        raise RequestError(f"input '{name}' must hold exactly one value, got shape {list(arr.shape)}")
-    return arr.reshape(-1)[0]
-
-
-def _decode_utf8(raw: Any, name: str) -> str:
-    if isinstance(raw, str):
-        return raw
-    try:
-        return bytes(raw).decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise RequestError(
-            f"input '{name}' is not valid UTF-8 (byte {exc.start}: {bytes(raw)[exc.start:exc.start + 4]!r})"
-        ) from None
-
-
-def string_input(tensors: Mapping[str, np.ndarray], name: str) -> str:
-    """A [1] STRING tensor as text ("" when absent)."""
-    value = _scalar(tensors, name)
-    return "" if value is None else _decode_utf8(value, name)
-
-
 def _bool_tensor(tensors: Mapping[str, np.ndarray], name: str, default: bool) -> bool:
-    value = _scalar(tensors, name)
+    value = scalar(tensors, name)
     if value is None:
         return default
     if isinstance(value, (bytes, str, np.bytes_)):
-        return _coerce("bool", _decode_utf8(value, name), name)
+        return _coerce("bool", decode_utf8(value, name), name)
     return bool(value)
 
 
@@ -143,12 +115,12 @@ def _string_list(tensors: Mapping[str, np.ndarray], name: str) -> list[str] | No
     arr = tensors.get(name)
     if arr is None:
         return None
-    return [_decode_utf8(x, name) for x in arr.reshape(-1)]
+    return [decode_utf8(x, name) for x in arr.reshape(-1)]
 
 
 # ---------------------------------------------------------------------------
 # Coercion and validation
-def _coerce(kind: str, value: Any, name: str) -> Any:
+def _coerce(kind: ParamKind, value: Any, name: str) -> Any:
     where = f"'{name}'"
     try:
         if kind == "bool":
@@ -234,7 +206,7 @@ def _trtllm_sampling(tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
         if SAMPLING_PARAMS[param].kind == "str_list":
             value: Any = _string_list(tensors, tensor)
         else:
-            value = _scalar(tensors, tensor).item()
+            value = scalar(tensors, tensor).item()
         if param in out:
             raise RequestError("inputs 'min_tokens' and 'min_length' are aliases; send only one")
         try:
@@ -243,7 +215,7 @@ def _trtllm_sampling(tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
             raise RequestError(str(exc).replace(f"parameter '{param}'", f"input '{tensor}'", 1)) from None
     _refuse_unsupported_trtllm(tensors)
     if "end_id" in tensors:
-        end_id = int(_scalar(tensors, "end_id"))
+        end_id = int(scalar(tensors, "end_id"))
         if end_id < 0:
             raise RequestError(f"input 'end_id' = {end_id} is out of range: allowed is a token id >= 0")
         out["stop_token_ids"] = [end_id]
@@ -252,10 +224,10 @@ def _trtllm_sampling(tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
 
 def _refuse_unsupported_trtllm(tensors: Mapping[str, np.ndarray]) -> None:
     for name, what in (("beam_width", "beam search"), ("num_return_sequences", "several sequences per request")):
-        value = _scalar(tensors, name)
+        value = scalar(tensors, name)
         if value is not None and int(value) != 1:
             raise RequestError(f"input '{name}' = {int(value)} is not supported: allowed is 1 ({what} is not available)")
-    value = _scalar(tensors, "length_penalty")
+    value = scalar(tensors, "length_penalty")
     if value is not None and float(value) != 1.0:
         raise RequestError(
             f"input 'length_penalty' = {float(value)} is not supported: allowed is 1.0 "
@@ -265,14 +237,14 @@ def _refuse_unsupported_trtllm(tensors: Mapping[str, np.ndarray]) -> None:
 
 def parse_request(tensors: Mapping[str, np.ndarray]) -> GenerationRequest:
     """Merge the vllm_backend and TensorRT-LLM forms; refuse conflicts."""
-    raw_prompt = _scalar(tensors, "text_input")
+    raw_prompt = scalar(tensors, "text_input")
     if raw_prompt is None:
         raise RequestError("input 'text_input' is required (a STRING tensor of shape [1])")
-    prompt = _decode_utf8(raw_prompt, "text_input")
+    prompt = decode_utf8(raw_prompt, "text_input")
     if not prompt.strip():
         raise RequestError("input 'text_input' is empty; a non-empty prompt is required")
 
-    sampling = parse_sampling_json(string_input(tensors, "sampling_parameters"))
+    sampling = parse_sampling_json(string_value(tensors, "sampling_parameters"))
     for name, value in _trtllm_sampling(tensors).items():
         if name in sampling and sampling[name] != value:
             raise RequestError(

@@ -1,4 +1,5 @@
-"""The few Triton python-backend calls the model.py adapters share.
+"""Tensors in and out of the model.py adapters: the STRING tensor codec, the
+client error type, and the few Triton python-backend calls they share.
 
 `pb_utils` is passed in: it exists only inside the Triton stub process.
 """
@@ -11,7 +12,44 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from a3b_backend.request import RequestError
+from a3b_backend import contract
+
+
+class RequestError(ValueError):
+    """A client error: the message is sent back to the caller as it is."""
+
+
+def scalar(tensors: Mapping[str, np.ndarray], name: str) -> Any:
+    """The one value of a [1] tensor (None when absent)."""
+    arr = tensors.get(name)
+    if arr is None:
+        return None
+    if arr.size != 1:
+        raise RequestError(f"input '{name}' must hold exactly one value, got shape {list(arr.shape)}")
+    return arr.reshape(-1)[0]
+
+
+def decode_utf8(raw: Any, name: str) -> str:
+    """One element of a STRING tensor as text."""
+    if isinstance(raw, str):
+        return raw
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(
+            f"input '{name}' is not valid UTF-8 (byte {exc.start}: {bytes(raw)[exc.start:exc.start + 4]!r})"
+        ) from None
+
+
+def string_value(tensors: Mapping[str, np.ndarray], name: str) -> str:
+    """A [1] STRING tensor as text ("" when absent)."""
+    value = scalar(tensors, name)
+    return "" if value is None else decode_utf8(value, name)
+
+
+def string_tensor(text: str) -> np.ndarray:
+    """Text as a [1] STRING tensor (UTF-8 bytes)."""
+    return np.array([text.encode("utf-8")], dtype=np.object_)
 
 
 def use_utf8_locale() -> None:
@@ -83,13 +121,12 @@ def forward_cancellation(pb_utils: Any, request: Any, aborted: deque) -> bool:
     the generation behind it (once), since Triton 2.51 does not."""
     if not request.is_cancelled():
         return False
-    tensor = pb_utils.get_input_tensor_by_name(request, "request_id")
-    request_id = tensor.as_numpy().reshape(-1)[0].decode() if tensor is not None else ""
+    request_id = string_value(read_inputs(pb_utils, request, [contract.REQUEST_ID]), contract.REQUEST_ID)
     if request_id and request_id not in aborted:
         aborted.append(request_id)
         control = pb_utils.InferenceRequest(
-            model_name="a3b_llm", requested_output_names=[],
-            inputs=[pb_utils.Tensor("abort_request_id", np.array([request_id.encode()], dtype=np.object_))],
+            model_name=contract.LLM_MODEL, requested_output_names=[],
+            inputs=[pb_utils.Tensor(contract.ABORT_REQUEST_ID, string_tensor(request_id))],
         )
         for _ in control.exec(decoupled=True):
             pass

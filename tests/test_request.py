@@ -4,7 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from a3b_backend.request import Limits, RequestError, finalize_sampling, parse_request
+from a3b_backend.request import Limits, finalize_sampling, parse_request
+from a3b_backend.triton_io import RequestError
 
 LIMITS = Limits(max_model_len=100, default_max_tokens=20)
 

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from a3b_backend.bench.perf_report import LoadLevel, RequestRecord
+from a3b_backend.triton_io import string_tensor
 
 BUSY_MARKER = "server busy"
 
@@ -28,7 +29,7 @@ def infer_inputs(values: dict[str, Any]) -> list:
         if isinstance(value, np.ndarray):
             arr = value
         elif isinstance(value, str):
-            arr = np.array([value.encode("utf-8")], dtype=np.object_)
+            arr = string_tensor(value)
         elif isinstance(value, bool):
             arr = np.array([value], dtype=bool)
         elif isinstance(value, int):

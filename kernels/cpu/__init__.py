@@ -6,9 +6,9 @@ Two strategies keep the weight packed in memory (docs/a3b_format.md):
   fused    codes read in place by `a3b_linear` for up to FUSED_MAX_ROWS rows of
            x (decode), one dequantize + float32 GEMM above that (prefill);
   dequant  dequantize the whole weight on every call, then the GEMM.
-`make bench-cpu-linear` times the fused kernel against dequantize + GEMM by
-row count (perf/results/cpu_linear.md): where the fused kernel stops winning
-is FUSED_MAX_ROWS.
+The C++ kernel is compiled for up to FUSED_MAX_ROWS rows (kMaxRows);
+`make bench-cpu-linear` times it, in chunks of that many rows past it, against
+dequantize + GEMM by row count (perf/results/cpu_linear.md).
 """
 from __future__ import annotations
 
@@ -65,9 +65,9 @@ def dequantize(weight: A3BWeight, block: tuple[int, int]) -> torch.Tensor:
     return ops().a3b_dequantize(*weight.kernel_tensors(), weight.in_features, *block)
 
 
-def linear(x: torch.Tensor, weight: A3BWeight, block: tuple[int, int], strategy: Strategy = "fused",
-           fused_max_rows: int = FUSED_MAX_ROWS) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: A3BWeight, block: tuple[int, int], strategy: Strategy = "fused"
+           ) -> torch.Tensor:
     """float32 y[M, out] = x[M, in] @ W^T."""
-    if strategy == "fused" and x.shape[0] <= fused_max_rows:
+    if strategy == "fused" and x.shape[0] <= FUSED_MAX_ROWS:
         return ops().a3b_linear(x, *weight.kernel_tensors(), *block)
     return torch.nn.functional.linear(x.float(), dequantize(weight, block))

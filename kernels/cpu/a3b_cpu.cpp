@@ -14,7 +14,7 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 8;  // kernels/cpu.py FUSED_MAX_ROWS
+constexpr int64_t kMaxRows = 8;  // FUSED_MAX_ROWS in __init__.py
 
 struct Meta {
   const uint8_t* packed;

@@ -10,16 +10,16 @@ import uuid  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 
-from a3b_backend import drain  # noqa: E402
+from a3b_backend import contract, drain  # noqa: E402
 from a3b_backend.engine import EngineHost  # noqa: E402
 from a3b_backend.generation import (LlmRequest, StepTracker, parse_llm_request, request_arrays,  # noqa: E402
                                     step_arrays)
 from a3b_backend.metrics import TritonMetrics  # noqa: E402
 from a3b_backend.profiles import get_profile, request_limits  # noqa: E402
-from a3b_backend.request import RequestError, string_input  # noqa: E402
+from a3b_backend.triton_io import RequestError, string_value  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-INPUTS = ("input_ids", "sampling_parameters", "stream", "postprocess_config", "abort_request_id")
+INPUT_NAMES = contract.names(contract.LLM_INPUTS)
 
 
 class TritonPythonModel:
@@ -41,14 +41,14 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                tensors = triton_io.read_inputs(pb_utils, request, INPUTS)
-                if "abort_request_id" in tensors:
-                    self.host.submit_abort(string_input(tensors, "abort_request_id"))
+                tensors = triton_io.read_inputs(pb_utils, request, INPUT_NAMES)
+                if contract.ABORT_REQUEST_ID in tensors:
+                    self.host.submit_abort(string_value(tensors, contract.ABORT_REQUEST_ID))
                     sender.send(flags=FINAL)
                     continue
                 refusal = self.host.refusal(self.max_in_flight, draining=drain.requested())
                 if refusal:
-                    self.metrics.metric["a3b_request_rejected_total"].increment(1)
+                    self.metrics.rejected()
                     sender.send(triton_io.unavailable_response(pb_utils, refusal), flags=FINAL)
                     continue
                 llm_request = parse_llm_request(tensors, self.limits)
@@ -57,7 +57,7 @@ class TritonPythonModel:
                 continue
             request_id = uuid.uuid4().hex
             self.host.submit(
-                request_id, self._serve(request_id, sender, llm_request, string_input(tensors, "postprocess_config"))
+                request_id, self._serve(request_id, sender, llm_request, string_value(tensors, contract.POSTPROCESS_CONFIG))
             )
         return None
 

@@ -7,10 +7,10 @@ triton_io.use_utf8_locale()
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from a3b_backend.contract import POSTPROCESS_INPUTS  # noqa: E402
+from a3b_backend.contract import POSTPROCESS_INPUTS, names  # noqa: E402
 from a3b_backend.postprocess import step_outputs  # noqa: E402
 
-INPUT_NAMES = tuple(t.name for t in POSTPROCESS_INPUTS)
+INPUT_NAMES = names(POSTPROCESS_INPUTS)
 
 
 class TritonPythonModel:

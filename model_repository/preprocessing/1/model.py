@@ -5,11 +5,11 @@ triton_io.use_utf8_locale()
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from a3b_backend.contract import TEXT_INPUTS  # noqa: E402
+from a3b_backend.contract import TEXT_INPUTS, names  # noqa: E402
 from a3b_backend.preprocess import prepare, prepared_arrays  # noqa: E402
 from a3b_backend.profiles import get_profile, request_limits  # noqa: E402
 
-INPUT_NAMES = tuple(t.name for t in TEXT_INPUTS)
+INPUT_NAMES = names(TEXT_INPUTS)
 
 
 class TritonPythonModel:
