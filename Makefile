@@ -2,8 +2,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL_DIR ?= models/smollm2-135m-instruct
+QWEN_TINY_DIR := models/qwen3.6-tiny
 
-.PHONY: setup model serve test test-unit render perf-tools need-venv perf perf-inputs genai-perf locust bench-overload bench-overhead bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu kv-report quality clean
+.PHONY: setup model model-qwen serve test test-unit render perf-tools need-venv perf perf-inputs genai-perf locust bench-overload bench-overhead bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu kv-report quality clean
 
 setup:
 	bash scripts/setup.sh
@@ -15,20 +16,26 @@ model: setup
 	test -d $(MODEL_DIR)-a3b || $(PY) -m a3b_backend.quant.convert $(MODEL_DIR) $(MODEL_DIR)-a3b \
 	  --calibration-text /usr/share/common-licenses/GPL-3
 
+# Qwen3.6-35B-A3B's architecture at toy width, random weights, and its A3B
+# conversion: the `qwen-tiny` profile's model (A3B_PROFILE=qwen-tiny make serve).
+model-qwen: setup
+	$(PY) -m a3b_backend.qwen_tiny --out $(QWEN_TINY_DIR)
+	test -d $(QWEN_TINY_DIR)-a3b || $(PY) -m a3b_backend.quant.convert $(QWEN_TINY_DIR) $(QWEN_TINY_DIR)-a3b
+
 render: setup
 	$(PY) -m a3b_backend.repository
 
-serve: setup model
+serve: setup model $(if $(filter qwen-tiny,$(A3B_PROFILE)),model-qwen)
 	bash scripts/serve.sh
 
 KERNEL_TESTS := tests/test_kernels_triton.py tests/test_kernels_kv.py
 
-test: setup model
+test: setup model model-qwen
 	$(PY) -m pytest -q tests
 	@echo "==> the Triton kernel tests again under Triton 3.6 (the GPU hosts' version)"
 	PYTHONPATH=$(VENV)/triton-3.6 A3B_EXPECT_TRITON=3.6 $(PY) -m pytest -q $(KERNEL_TESTS)
 
-test-unit: setup model
+test-unit: setup model model-qwen
 	$(PY) -m pytest -q tests -m "not served"
 
 perf-tools:

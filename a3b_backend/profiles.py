@@ -174,12 +174,28 @@ _SINGLE_NODE = (
         distributed_executor_backend="mp",
     ),
 )
+# Qwen3.6-35B-A3B's text architecture at toy width (`make model-qwen`,
+# a3b_backend/qwen_tiny.py), A3B-quantized, on the CPU stack: the h200
+# profile's settings with CPU numbers. bf16 because vLLM's CPU Gated DeltaNet
+# kernel runs in bf16 only; eager, as the cpu profile.
+_QWEN_TINY = Profile(
+    name="qwen-tiny",
+    **{**QWEN36_SERVING, "model_dir": "models/qwen3.6-tiny-a3b", "max_model_len": 4096, "default_max_tokens": 256,
+       "max_num_seqs": 8},
+    max_num_batched_tokens=1024,
+    max_in_flight=32,
+    cpu_kv_cache_gib=1,
+    enforce_eager=True,
+    dtype="bfloat16",
+    perf=PerfPlan(prompt_lengths=(128, 1024), output_tokens=32, concurrencies=(1, 4), requests_per_window=3,
+                  rag_document_tokens=1024),
+)
 # Beyond one node (docs/deployment.md): a100x8's settings on two nodes with
 # vLLM's Ray executor, tensor parallel inside a node and pipeline parallel
 # across the two. Sized for a model that needs 16 GPUs; point A3B_MODEL_DIR at it.
 _MULTINODE = dataclasses.replace(_SINGLE_NODE[-1], name="multinode", nodes=2, pipeline_parallel_size=2,
                                  distributed_executor_backend="ray")
-PROFILES: dict[str, Profile] = {p.name: p for p in (*_SINGLE_NODE, _MULTINODE)}
+PROFILES: dict[str, Profile] = {p.name: p for p in (*_SINGLE_NODE, _QWEN_TINY, _MULTINODE)}
 
 
 def get_profile(name: str | None = None) -> Profile:

@@ -16,11 +16,13 @@ instead: an explicit option for comparison, never the default.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 from typing import Any
 
 import torch
+from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
@@ -34,6 +36,7 @@ from a3b_backend.quant.format import (KERNEL_KINDS, KINDS, A3BConfig, A3BWeight,
                                       StoredTensor, dequantize, stored_tensors)
 from a3b_kernels import cpu as cpu_kernels
 
+logger = init_logger("vllm.a3b")  # under vLLM's logger, so its workers print it
 NAME = "a3b"
 STRATEGY_ENV = "A3B_CPU_LINEAR"
 DEFAULT_CPU_STRATEGY = "fused"
@@ -42,6 +45,18 @@ CPU_STRATEGIES = (*cpu_kernels.STRATEGIES, "expand")
 
 class A3BCheckpointError(ValueError):
     """The checkpoint's A3B tensors do not fit its config or the model."""
+
+
+@functools.cache
+def announce_path(layer_kind: str, path: str, dtype: torch.dtype) -> None:
+    """Logs, once per process, each way A3B layers compute (tests read it)."""
+    logger.info("A3B %s: %s path, %s activations", layer_kind, path, str(dtype).removeprefix("torch."))
+
+
+def cpu_linear(layer_kind: str, x: torch.Tensor, weight: A3BWeight, block: tuple[int, int]) -> torch.Tensor:
+    strategy = cpu_strategy()
+    announce_path(layer_kind, f"CPU {cpu_kernels.path(x.shape[0], strategy)}", x.dtype)
+    return cpu_kernels.linear(x, weight, block, strategy)
 
 
 def cpu_strategy() -> str:
@@ -120,10 +135,26 @@ def _checkpoint_shapes(layer: torch.nn.Module, shards: int, output_size: int,
     return [(output_size, input_size)]
 
 
-def _shard_index(shard_id: int | str | None) -> int:
+ShardId = int | str | tuple[int, ...] | None
+
+
+def _shard_indices(shard_id: ShardId, shards: int) -> tuple[int, ...]:
+    """The vLLM output shards one loaded checkpoint tensor fills: all of them (None),
+    one (an index, or q/k/v), or several (a tuple: one checkpoint weight vLLM
+    splits, as Gated DeltaNet's in_proj_qkv over the q, k, v shards of in_proj_qkvz)."""
     if shard_id is None:
-        return 0
-    return {"q": 0, "k": 1, "v": 2}.get(shard_id, shard_id)  # type: ignore[arg-type]
+        return tuple(range(shards))
+    if isinstance(shard_id, tuple):
+        return shard_id
+    return ({"q": 0, "k": 1, "v": 2}.get(shard_id, shard_id),)  # type: ignore[arg-type]
+
+
+def _shard_names(names: list[str], shards: int) -> list[str]:
+    """The checkpoint weight behind each vLLM output shard. With fewer weights than
+    shards, the first weight spans the surplus (in_proj_qkv: q, k, v; in_proj_z: z)."""
+    if len(names) >= shards:
+        return names[:shards] if shards > 1 else names[:1]
+    return [names[0]] * (shards - len(names) + 1) + names[1:]
 
 
 class A3BLinearMethod(LinearMethodBase):
@@ -139,15 +170,15 @@ class A3BLinearMethod(LinearMethodBase):
         load = extra_weight_attrs["weight_loader"]
         out = sum(output_partition_sizes)
         self._check_partitioning(output_partition_sizes, input_size_per_partition, input_size)
-        self.checkpoint_shapes = _checkpoint_shapes(layer, len(output_partition_sizes), output_size, input_size)
+        self.shard_shapes = _checkpoint_shapes(layer, len(output_partition_sizes), output_size, input_size)
+        self.shard_names = _shard_names(self.names, len(self.shard_shapes))
         layer.a3b_loaded = set()
         layer.a3b_shape = (out, input_size_per_partition)
 
         def checked(kind: Kind):
             def loader(param, loaded_weight, loaded_shard_id=None):
-                index = _shard_index(loaded_shard_id)
-                self._check_tensor(kind, index, loaded_weight)
-                layer.a3b_loaded.add((kind, index))
+                name = self._check_tensor(kind, loaded_shard_id, loaded_weight)
+                layer.a3b_loaded.add((kind, name))
                 if kind == "shape":
                     return
                 if loaded_shard_id is None:
@@ -169,13 +200,17 @@ class A3BLinearMethod(LinearMethodBase):
                 f"{self.names[0]}: tensor-parallel input slices of {input_per_partition} columns cut A3B blocks of "
                 f"{cols} columns; choose a tensor-parallel size that divides the blocks")
 
-    def _check_tensor(self, kind: Kind, index: int, loaded: torch.Tensor) -> None:
-        check_stored_tensor(f"{self.names[index]}.weight_{kind}", kind, loaded, self.checkpoint_shapes[index],
-                            self.config.block)
+    def _check_tensor(self, kind: Kind, shard_id: ShardId, loaded: torch.Tensor) -> str:
+        """Checks a loaded tensor against the weight behind its shards; returns that weight's name."""
+        indices = _shard_indices(shard_id, len(self.shard_shapes))
+        rows = sum(self.shard_shapes[i][0] for i in indices)
+        name = self.shard_names[indices[0]]
+        check_stored_tensor(f"{name}.weight_{kind}", kind, loaded, (rows, self.shard_shapes[0][1]), self.config.block)
+        return name
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        missing = [f"{self.names[i]}.weight_{kind}" for i in range(len(self.names))
-                   for kind in KINDS if (kind, i) not in layer.a3b_loaded]
+        missing = [f"{name}.weight_{kind}" for name in dict.fromkeys(self.shard_names)
+                   for kind in KINDS if (kind, name) not in layer.a3b_loaded]
         if missing:
             raise A3BCheckpointError(f"A3B tensors missing from the checkpoint: {', '.join(missing)}")
         del layer.weight_shape
@@ -193,7 +228,7 @@ class A3BLinearMethod(LinearMethodBase):
             return torch.nn.functional.linear(x, layer.weight, bias)
         x2 = x.reshape(-1, x.shape[-1])
         if x.device.type == "cpu":
-            y = cpu_kernels.linear(x2, layer.a3b, self.config.block, cpu_strategy())
+            y = cpu_linear("linear", x2, layer.a3b, self.config.block)
         elif self.config.block[0] == 1:
             y = gpu_linear(x2, layer.a3b, self.config.format)
         else:
@@ -324,7 +359,7 @@ class A3BMoEMethod(FusedMoEMethodBase):
     def _expert_linear(self, x: torch.Tensor, layer: torch.nn.Module, stem: str, expert: int) -> torch.Tensor:
         weight = layer.a3b_experts[stem].expert(expert)
         if x.device.type == "cpu":
-            return cpu_kernels.linear(x, weight, self.config.block, cpu_strategy())
+            return cpu_linear("MoE expert", x, weight, self.config.block)
         return x.float() @ dequantize(weight, self.config.format).T  # torch reference path, not a kernel
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

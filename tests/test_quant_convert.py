@@ -76,14 +76,20 @@ def _dequantized_model(dst: Path, src: Path):
     return model
 
 
-def test_calibrated_checkpoint_computes_what_the_source_does(tmp_path, tokenizer, monkeypatch):
+@pytest.mark.parametrize("model_type, extra, norm", [
+    ("llama", {}, "model.layers.0.input_layernorm.weight"),
+    # zero-centred norms; its full-attention layer's q/k/v fold into input_layernorm
+    ("qwen3_5_moe_text", QWEN35, "model.layers.1.input_layernorm.weight"),
+])
+def test_calibrated_checkpoint_computes_what_the_source_does(tmp_path, tokenizer, monkeypatch, model_type, extra,
+                                                             norm):
     """Folded AWQ scales (norm / s, weight * s) must leave the function intact up to quantization error."""
     from transformers import AutoModelForCausalLM
 
     from a3b_backend.quant import calibrate
 
     monkeypatch.setattr(calibrate, "ALPHAS", (0.75,))  # force a real scale, so the fold is exercised
-    src = tiny(tmp_path, "llama", vocab_size=len(tokenizer))
+    src = tiny(tmp_path, model_type, vocab_size=len(tokenizer), **extra)
     tokenizer.save_pretrained(src)
     text = tmp_path / "calib.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
@@ -94,7 +100,6 @@ def test_calibrated_checkpoint_computes_what_the_source_does(tmp_path, tokenizer
         ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids).logits
         got = _dequantized_model(dst, src)(ids).logits
     assert ((got - ref).norm() / ref.norm()) < 0.1
-    norm = "model.layers.0.input_layernorm.weight"
     assert not torch.equal(tensors(dst)[norm], tensors(src)[norm])
 
 
@@ -130,14 +135,63 @@ def test_failed_run_leaves_nothing_that_looks_complete(tmp_path):
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
 
-def test_stacked_expert_tensors_quantize_per_expert():
+def test_stacked_experts_are_written_per_expert():
     from a3b_backend.quant.convert import convert_tensor
 
-    stacked = torch.randn(3, 16, 64) * 0.02
-    out, count = convert_tensor("model.layers.0.mlp.experts.gate_up_proj", stacked, CONFIG, {}, {})
-    assert count == stacked.numel()
-    name = "model.layers.0.mlp.experts.gate_up_proj"
-    assert out[f"{name}_packed"].shape == (3, 16, 32)
+    gate_up = torch.randn(3, 32, 64) * 0.02  # [E, 2I, H]: gate rows, then up rows
+    out, count = convert_tensor("model.language_model.layers.0.mlp.experts.gate_up_proj", gate_up, CONFIG, {}, {})
+    assert count == gate_up.numel()
     for e in range(3):
-        q = A3BWeight.from_tensors({k: v[e] for k, v in out.items()}, name)
-        assert ((dequantize(q, CONFIG) - stacked[e]).norm() / stacked[e].norm()) < 0.2
+        for proj, rows in (("gate_proj", gate_up[e, :16]), ("up_proj", gate_up[e, 16:])):
+            name = f"model.language_model.layers.0.mlp.experts.{e}.{proj}.weight"
+            q = A3BWeight.from_tensors(out, name)
+            assert ((dequantize(q, CONFIG) - rows).norm() / rows.norm()) < 0.2
+    down, _ = convert_tensor("model.language_model.layers.0.mlp.experts.down_proj", torch.randn(3, 64, 16), CONFIG,
+                             {}, {})
+    assert A3BWeight.from_tensors(down, "model.language_model.layers.0.mlp.experts.2.down_proj.weight").in_features == 16
+
+
+def test_published_multimodal_layout_converts(tmp_path):
+    """Qwen3.6's published layout built tiny: the text model under model.language_model.,
+    stacked experts, a vision tower and an MTP layer; only the text model's linears are quantized."""
+    src = tmp_path / "qwen36-layout"
+    src.mkdir()
+    g = torch.Generator().manual_seed(0)
+    layer = "model.language_model.layers.0."
+    weights = {
+        "model.language_model.embed_tokens.weight": torch.randn(256, 64, generator=g),
+        f"{layer}self_attn.q_proj.weight": torch.randn(64, 64, generator=g),
+        f"{layer}linear_attn.in_proj_qkv.weight": torch.randn(96, 64, generator=g),
+        f"{layer}linear_attn.in_proj_a.weight": torch.randn(4, 64, generator=g),
+        f"{layer}mlp.gate.weight": torch.randn(4, 64, generator=g),
+        f"{layer}mlp.shared_expert_gate.weight": torch.randn(1, 64, generator=g),
+        f"{layer}mlp.experts.gate_up_proj": torch.randn(4, 64, 64, generator=g),
+        f"{layer}mlp.experts.down_proj": torch.randn(4, 64, 32, generator=g),
+        "model.visual.blocks.0.attn.qkv.weight": torch.randn(96, 32, generator=g),
+        "model.visual.blocks.0.mlp.linear_fc1.weight": torch.randn(64, 32, generator=g),
+        "mtp.layers.0.self_attn.q_proj.weight": torch.randn(64, 64, generator=g),
+        "mtp.layers.0.mlp.experts.gate_up_proj": torch.randn(4, 64, 64, generator=g),
+        "mtp.fc.weight": torch.randn(64, 128, generator=g),
+        "lm_head.weight": torch.randn(256, 64, generator=g),
+    }
+    save_file(weights, src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe",
+                                                 "architectures": ["Qwen3_5MoeForConditionalGeneration"]}))
+    after = tensors(convert(src, tmp_path / "out", CONFIG))
+    for name in (f"{layer}self_attn.q_proj.weight", f"{layer}linear_attn.in_proj_qkv.weight",
+                 f"{layer}mlp.experts.3.up_proj.weight", f"{layer}mlp.experts.0.down_proj.weight"):
+        assert f"{name}_packed" in after and name not in after
+    kept = [n for n in weights if n.startswith(("model.visual.", "mtp.")) or n.endswith(
+        ("in_proj_a.weight", "mlp.gate.weight", "shared_expert_gate.weight", "embed_tokens.weight", "lm_head.weight"))]
+    for name in kept:
+        assert torch.equal(after[name], weights[name]), name
+    assert not any(n.endswith("_packed") and n.startswith(("mtp.", "model.visual.")) for n in after)
+
+
+def test_awq_scale_folds_into_zero_centred_norms():
+    """Qwen3.5/3.6 norms compute x_hat * (1 + w): dividing their output by s means (1 + w) / s - 1."""
+    from a3b_backend.quant.convert import fold_norm_scale
+
+    x_hat, w, s = torch.randn(5, 8), torch.randn(8) * 0.1, torch.rand(8) + 0.5
+    torch.testing.assert_close(x_hat * (1 + fold_norm_scale(w, s, zero_centred=True)), x_hat * (1 + w) / s)
+    torch.testing.assert_close(x_hat * fold_norm_scale(w, s, zero_centred=False), x_hat * w / s)

@@ -3,6 +3,8 @@ tests call this with subprocess). Prints one JSON line prefixed with RESULT.
 
     python tests/vllm_probe.py prompt-logprobs MODEL_DIR 1,2,3
     python tests/vllm_probe.py greedy MODEL_DIR 1,2,3 [max_tokens]
+    python tests/vllm_probe.py check MODEL_DIR PROMPTS.json STEPS   # bf16: per prompt,
+        prompt log-probs and STEPS greedy tokens with their log-probs, all prompts in one batch
 """
 from __future__ import annotations
 
@@ -10,18 +12,42 @@ import json
 import sys
 
 
-def engine(model_dir: str):
+def engine(model_dir: str, dtype: str = "float32"):
     from vllm import LLM
 
     # An explicit KV size: otherwise vLLM's CPU worker reserves 90% of the
     # machine's memory and refuses to start beside another engine (the served
     # tests' server).
-    return LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
-               max_num_batched_tokens=256, max_num_seqs=4, load_format="safetensors",
+    return LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, max_model_len=256,
+               max_num_batched_tokens=256, max_num_seqs=8, load_format="safetensors",
                kv_cache_memory_bytes=256 << 20)
 
 
+def check(model_dir: str, prompts_file: str, steps: str) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = json.loads(open(prompts_file).read())
+    llm = engine(model_dir, "bfloat16")  # vLLM's CPU Gated DeltaNet runs in bf16 only
+    prefill = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                           SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False))
+    decode = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                          SamplingParams(temperature=0, max_tokens=int(steps), logprobs=0, detokenize=False,
+                                         ignore_eos=True))
+    llm.llm_engine.engine_core.shutdown()
+    return {
+        "prompt_logprobs": [[lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], p[1:])]
+                            for out, p in zip(prefill, prompts)],
+        "greedy": [list(out.outputs[0].token_ids) for out in decode],
+        "greedy_logprobs": [[lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+                            for out in decode],
+    }
+
+
 def main(mode: str, model_dir: str, ids: str, max_tokens: str = "16") -> None:
+    if mode == "check":
+        print("RESULT " + json.dumps(check(model_dir, ids, max_tokens)), flush=True)
+        return
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 

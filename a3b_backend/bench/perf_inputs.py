@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Protocol
 
 from a3b_backend.profiles import Profile, get_profile
+from a3b_backend.qwen_tiny import QWEN_PATTERN
 
 FLAVOURS = ("vllm", "trtllm")
 LICENSES = Path("/usr/share/common-licenses")
@@ -33,8 +34,6 @@ RAG_QUESTIONS = (
     "What does the document say about exceptions?",
 )
 # Qwen's pre-tokenizer split (as in Qwen's own tokenization_qwen.py).
-QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 class Tokenizer(Protocol):

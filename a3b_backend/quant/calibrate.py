@@ -27,6 +27,13 @@ QUANTIZED = re.compile(
     r"\.layers\.\d+\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|in_proj_qkvz|in_proj_qkv|"
     r"in_proj_z|out_proj)$"
 )
+# Kept as they are whatever their names: the multi-token-prediction layer (not
+# served) and a vision tower.
+KEPT = re.compile(r"^(mtp\.|model\.visual\.|visual\.)")
+
+
+def is_quantized(module: str) -> bool:
+    return bool(QUANTIZED.search(module)) and not KEPT.match(module)
 ALPHAS = (0.0, 0.25, 0.5, 0.75)
 # Inputs that come straight from an RMSNorm, whose weight can absorb 1/s
 # (dense decoder layers; MoE experts share their norm with the router).
@@ -88,7 +95,7 @@ def groups(names: list[str]) -> dict[str, list[str]]:
 
 
 def quantized_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and QUANTIZED.search(n)}
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and is_quantized(n)}
 
 
 @torch.no_grad()

@@ -4,7 +4,12 @@
 
 Linear weights of the decoder layers (attention, MLP, MoE experts, shared
 experts, Gated DeltaNet projections) become A3B tensors; embeddings, norms,
-lm_head, MoE routers and everything else are copied as they are. Tensors are
+lm_head, MoE routers, the multi-token-prediction layer (`mtp.*`), a vision
+tower and everything else are copied as they are. Routed experts stored
+stacked (Qwen3.5/3.6's `mlp.experts.gate_up_proj` [E, 2I, H] and
+`mlp.experts.down_proj` [E, H, I]) are written per expert
+(`mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`), the layout vLLM's
+expert loaders and the `a3b` MoE method read. Tensors are
 read and written shard by shard, so memory holds one shard, not the model.
 With --calibration-text the source model is run once over that text (this
 needs it in memory) for activation statistics: importance-weighted fits for
@@ -35,6 +40,8 @@ from a3b_backend.quant.format import A3BConfig, QuantizationError, dequantize, q
 KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 # Experts stored stacked as 3-D tensors [experts, out, in] in some checkpoints.
 STACKED_EXPERTS = re.compile(r"\.layers\.\d+\..*experts\.(gate_up_proj|gate_proj|up_proj|down_proj)$")
+# Qwen3.5/3.6 (and Qwen3-Next) RMSNorms are zero-centred: they scale by (1 + w).
+ZERO_CENTRED_NORMS = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text", "qwen3_next")
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                 "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
 
@@ -98,27 +105,47 @@ def _quantized(name: str, tensor: torch.Tensor, config: A3BConfig, calibration: 
     return quantize(w, config, col_importance=importance, name=name).tensors(name)
 
 
-def _stacked(name: str, tensor: torch.Tensor, config: A3BConfig) -> dict[str, torch.Tensor]:
-    parts = [quantize(tensor[e].float(), config, name=f"{name}[{e}]").tensors(name) for e in range(tensor.shape[0])]
-    return {key: torch.stack([p[key] for p in parts]) for key in parts[0]}
+def per_expert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A stacked experts tensor [E, out, in] as per-expert `.weight`s; gate_up_proj is
+    [gate; up] along out, as transformers' Qwen experts compute it."""
+    experts, proj = name.rsplit(".", 1)
+    halves = {"gate_up_proj": ("gate_proj", "up_proj")}.get(proj)
+    out = {}
+    for e in range(tensor.shape[0]):
+        parts = tensor[e].chunk(2, dim=0) if halves else (tensor[e],)
+        out.update({f"{experts}.{e}.{p}.weight": w for p, w in zip(halves or (proj,), parts)})
+    return out
+
+
+def fold_norm_scale(norm: torch.Tensor, scale: torch.Tensor, zero_centred: bool) -> torch.Tensor:
+    """The RMSNorm weight that divides its output by `scale` (the AWQ scale's inverse):
+    w / s, or for a zero-centred norm (output x_hat * (1 + w)) (1 + w) / s - 1."""
+    w = norm.float()
+    return ((1 + w) / scale - 1 if zero_centred else w / scale).to(norm.dtype)
 
 
 def convert_tensor(name: str, tensor: torch.Tensor, config: A3BConfig, calibration: dict,
-                   norm_scales: dict) -> tuple[dict[str, torch.Tensor], int]:
+                   norm_scales: dict, zero_centred_norms: bool = False) -> tuple[dict[str, torch.Tensor], int]:
     """-> (output tensors, number of weights quantized)."""
     module = name.removesuffix(".weight")
-    if name.endswith(".weight") and tensor.ndim == 2 and calibrate.QUANTIZED.search(module):
+    if tensor.ndim == 3 and STACKED_EXPERTS.search(name) and not calibrate.KEPT.match(name):
+        out, count = {}, 0
+        for expert_name, weight in per_expert(name, tensor).items():
+            tensors, n = convert_tensor(expert_name, weight, config, calibration, norm_scales, zero_centred_norms)
+            out.update(tensors)
+            count += n
+        return out, count
+    if name.endswith(".weight") and tensor.ndim == 2 and calibrate.is_quantized(module):
         return _quantized(name, tensor, config, calibration), tensor.numel()
-    if tensor.ndim == 3 and STACKED_EXPERTS.search(name):
-        return _stacked(name, tensor, config), tensor.numel()
     if module in norm_scales:
-        return {name: (tensor.float() / norm_scales[module]).to(tensor.dtype)}, 0
+        return {name: fold_norm_scale(tensor, norm_scales[module], zero_centred_norms)}, 0
     return {name: tensor}, 0
 
 
 def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | None = None,
             calibration_tokens: int = 2048) -> Path:
     model_config = check_paths(src, dst)
+    zero_centred = model_config.get("model_type") in ZERO_CENTRED_NORMS
     calibration, norm_scales = ({}, {})
     if calibration_text is not None:
         calibration, norm_scales = calibration_transform(src, calibration_text, calibration_tokens, config)
@@ -133,7 +160,8 @@ def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | No
                 out: dict[str, torch.Tensor] = {}
                 with safe_open(shard, "pt") as f:
                     for name in f.keys():
-                        tensors, n = convert_tensor(name, f.get_tensor(name), config, calibration, norm_scales)
+                        tensors, n = convert_tensor(name, f.get_tensor(name), config, calibration, norm_scales,
+                                                    zero_centred)
                         out.update(tensors)
                         quantized_weights += n
                         bar.update()

@@ -65,9 +65,14 @@ def dequantize(weight: A3BWeight, block: tuple[int, int]) -> torch.Tensor:
     return ops().a3b_dequantize(*weight.kernel_tensors(), weight.in_features, *block)
 
 
+def path(rows: int, strategy: Strategy) -> Strategy:
+    """How `linear` multiplies `rows` rows of x under `strategy`."""
+    return "fused" if strategy == "fused" and rows <= FUSED_MAX_ROWS else "dequant"
+
+
 def linear(x: torch.Tensor, weight: A3BWeight, block: tuple[int, int], strategy: Strategy = "fused"
            ) -> torch.Tensor:
-    """float32 y[M, out] = x[M, in] @ W^T."""
-    if strategy == "fused" and x.shape[0] <= FUSED_MAX_ROWS:
+    """float32 y[M, out] = x[M, in] @ W^T (x float32 or bf16)."""
+    if path(x.shape[0], strategy) == "fused":
         return ops().a3b_linear(x, *weight.kernel_tensors(), *block)
     return torch.nn.functional.linear(x.float(), dequantize(weight, block))
