@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.length:
         profile = dataclasses.replace(profile, perf=dataclasses.replace(profile.perf,
                                                                         prompt_lengths=tuple(args.length)))
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     try:
         for length in profile.perf.prompt_lengths:
             check_length(profile, length, profile.perf.output_tokens)
