@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from a3b_backend.quant.baselines import RtnConfig, quantize_dequantize
-from a3b_backend.quant.format import (A3BConfig, A3BWeight, QuantizationError, dequantize, pack_codes, quantize,
-                                      table_params, unpack_codes)
+from a3b_backend.quant.format import (KINDS, A3BConfig, A3BWeight, QuantizationError, dequantize, pack_codes,
+                                      quantize, stack, stored_tensors, table_params, unpack_codes)
 
 CONFIGS = [A3BConfig(1, 64), A3BConfig(1, 128), A3BConfig(64, 64), A3BConfig(4, 32)]
 
@@ -98,3 +98,24 @@ def test_activation_weighting_lowers_output_error_with_an_outlier_channel():
 def test_bad_block_shape_is_refused():
     with pytest.raises(QuantizationError, match="block shape 1x63"):
         A3BConfig(1, 63)
+
+
+@pytest.mark.parametrize("shape", [(130, 200), (7, 129), (64, 64)])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.block_rows}x{c.block_cols}")
+def test_quantize_writes_exactly_the_schema(config, shape):
+    """stored_tensors is what every reader checks against: the quantizer must write it."""
+    q = quantize(fresh(shape), config)
+    schema = stored_tensors(*shape, config.block)
+    assert tuple(schema) == KINDS
+    for kind, spec in schema.items():
+        tensor = getattr(q, kind)
+        assert (tensor.dtype, tuple(tensor.shape)) == (spec.dtype, spec.shape), kind
+
+
+def test_stacked_experts_slice_back_to_each_expert():
+    config = A3BConfig(1, 64)
+    experts = [quantize(fresh((32, 128)), config) for _ in range(3)]
+    stacked = stack(experts)
+    assert stacked.packed.shape == (3, 32, 64) and (stacked.out_features, stacked.in_features) == (32, 128)
+    for e, q in enumerate(experts):
+        assert torch.equal(dequantize(stacked.expert(e), config), dequantize(q, config))
