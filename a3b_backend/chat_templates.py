@@ -2,39 +2,57 @@
 
 QWEN36_CHAT_TEMPLATE renders Qwen3.6's chat format, as vLLM's `qwen3` reasoning
 parser and `qwen3_coder` tool parser read it: ChatML turns
-(`<|im_start|>role ... <|im_end|>`); tool definitions as JSON lines inside
-`<tools>` in the system turn, tool calls as `<tool_call><function=NAME>` with
-one `<parameter=KEY>` block per argument, tool results as `<tool_response>` in
-a user turn; thinking on by default (the generation prompt opens `<think>`),
-`enable_thinking=false` closes an empty think block instead; earlier
-assistant turns keep their reasoning only after the last user query.
+(`<|im_start|>role ... <|im_end|>`, contents stripped); with tools, the system
+turn lists them as JSON lines inside `<tools>`, then the calling convention
+and its reminder, then the caller's own system text; tool calls as
+`<tool_call><function=NAME>` with one `<parameter=KEY>` block per argument;
+consecutive tool results as `<tool_response>` blocks in one user turn.
+Thinking is on by default (the generation prompt opens `<think>`);
+`enable_thinking=false` closes an empty think block instead. Assistant turns
+after the last real user query keep their reasoning in a think block, earlier
+ones only with `preserve_thinking=true` (Qwen3.6's thinking preservation).
 """
 
 QWEN36_CHAT_TEMPLATE = r"""
 {%- set enable_thinking = enable_thinking if enable_thinking is defined else true -%}
+{%- set preserve_thinking = preserve_thinking if preserve_thinking is defined else false -%}
+{%- set has_system = messages and messages[0].role == 'system' -%}
 {%- if tools %}
-{{- '<|im_start|>system\n' }}
-{%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
-{{- '# Tools\n\nYou have access to the following functions:\n\n<tools>' }}
+{{- '<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>' }}
 {%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
-{{- '\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call><|im_end|>\n' }}
-{%- elif messages and messages[0].role == 'system' %}
-{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{{- '\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n'
+    '<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n'
+    '<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n'
+    '</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n'
+    '- Function calls MUST follow the specified format: an inner <function=...></function> block must be nested '
+    'within <tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n'
+    '- You may provide optional reasoning for your function call in natural language BEFORE the function call, '
+    'but NOT after\n- If there is no function call available, answer the question like normal with your current '
+    'knowledge and do not tell the user about function calls\n</IMPORTANT>' }}
+{%- if has_system and messages[0].content.strip() %}{{- '\n\n' + messages[0].content.strip() }}{%- endif %}
+{{- '<|im_end|>\n' }}
+{%- elif has_system %}
+{{- '<|im_start|>system\n' + messages[0].content.strip() + '<|im_end|>\n' }}
 {%- endif %}
 {%- set ns = namespace(last_query=-1) %}
-{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}
 {%- for message in messages %}
-{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
-{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- set text = (message.content or '').strip() %}
+{%- if message.role == 'user' and not (text.startswith('<tool_response>') and text.endswith('</tool_response>')) %}
+{%- set ns.last_query = loop.index0 %}
+{%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+{%- set content = (message.content or '').strip() %}
+{%- if message.role == 'user' %}
+{{- '<|im_start|>user\n' + content + '<|im_end|>\n' }}
 {%- elif message.role == 'assistant' %}
-{%- set content = message.content or '' %}
-{%- set reasoning = message.reasoning_content or '' %}
+{%- set reasoning = (message.reasoning_content or '').strip() %}
 {%- if not reasoning and '</think>' in content %}
-{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}
-{%- set content = content.split('</think>')[-1].lstrip('\n') %}
+{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip() %}
+{%- set content = content.split('</think>')[-1].strip() %}
 {%- endif %}
 {{- '<|im_start|>assistant\n' }}
-{%- if loop.index0 > ns.last_query %}{{- '<think>\n' + reasoning + '\n</think>\n\n' }}{%- endif %}
+{%- if preserve_thinking or loop.index0 > ns.last_query %}{{- '<think>\n' + reasoning + '\n</think>\n\n' }}{%- endif %}
 {{- content }}
 {%- for call in message.tool_calls or [] %}
 {%- set call = call.function if call.function is defined else call %}
@@ -47,13 +65,17 @@ QWEN36_CHAT_TEMPLATE = r"""
 {{- '</function>\n</tool_call>' }}
 {%- endfor %}
 {{- '<|im_end|>\n' }}
+{%- elif message.role == 'system' %}
+{%- if not loop.first %}{{- raise_exception('a system message must be the first message') }}{%- endif %}
 {%- elif message.role == 'tool' %}
 {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+{{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
 {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- else %}
+{{- raise_exception('unknown message role ' + message.role + ': system, user, assistant or tool') }}
 {%- endif %}
 {%- endfor %}
-{%- if add_generation_prompt %}
+{%- if add_generation_prompt and (not messages or messages[-1].role != 'assistant') %}
 {{- '<|im_start|>assistant\n' }}
 {%- if enable_thinking %}{{- '<think>\n' }}{%- else %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
 {%- endif %}

@@ -180,7 +180,7 @@ _SINGLE_NODE = (
 # kernel runs in bf16 only; eager, as the cpu profile.
 _QWEN_TINY = Profile(
     name="qwen-tiny",
-    **{**QWEN36_SERVING, "model_dir": "models/qwen3.6-tiny-a3b", "max_model_len": 4096, "default_max_tokens": 256,
+    **{**QWEN36_SERVING, "model_dir": "models/qwen3.6-tiny-a3b", "max_model_len": 8192, "default_max_tokens": 256,
        "max_num_seqs": 8},
     max_num_batched_tokens=1024,
     max_in_flight=32,

@@ -145,18 +145,30 @@ def test_chat_template_renders_qwen36_turns_thinking_and_tools():
         "<|im_start|>assistant\n<think>\n\n</think>\n\n")
     tool = {"type": "function", "function": {"name": "get_weather", "description": "Current weather",
                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
-    turns = user + [
+    turns = [{"role": "system", "content": "Be brief."}] + user + [
         {"role": "assistant", "content": "", "reasoning_content": "Need the tool.",
          "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "content": "18C, sunny"},
+        {"role": "tool", "content": "wind 5 km/h"},
     ]
     text = tok.apply_chat_template(turns, tools=[tool], tokenize=False, add_generation_prompt=True)
-    assert text.startswith("<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>\n"
-                           + json.dumps(tool))
+    system = text[:text.index("<|im_end|>")]
+    assert system.startswith("<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n"
+                             "<tools>\n" + json.dumps(tool) + "\n</tools>\n\nIf you choose to call a function")
+    assert system.endswith("</IMPORTANT>\n\nBe brief.")  # the caller's system text after the tools
     assert ("<|im_start|>assistant\n<think>\nNeed the tool.\n</think>\n\n<tool_call>\n<function=get_weather>\n"
             "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call><|im_end|>\n") in text
-    assert "<|im_start|>user\n<tool_response>\n18C, sunny\n</tool_response><|im_end|>\n" in text
+    assert ("<|im_start|>user\n<tool_response>\n18C, sunny\n</tool_response>\n<tool_response>\nwind 5 km/h\n"
+            "</tool_response><|im_end|>\n") in text
     assert text.endswith("<|im_start|>assistant\n<think>\n")
+    # an answered earlier turn drops its reasoning unless preserve_thinking asks to keep it
+    history = user + [{"role": "assistant", "content": "Sunny.", "reasoning_content": "Easy."},
+                      {"role": "user", "content": "And tomorrow?"}]
+    assert "Easy." not in tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    assert "<think>\nEasy.\n</think>\n\nSunny.<|im_end|>" in tok.apply_chat_template(
+        history, tokenize=False, add_generation_prompt=True, preserve_thinking=True)
+    with pytest.raises(Exception, match="system message must be the first"):
+        tok.apply_chat_template(user + [{"role": "system", "content": "late"}], tokenize=False)
 
 
 def vllm_check(checkpoint: Path, prompts: list[list[int]], tmp_path: Path) -> tuple[dict, str]:
