@@ -57,9 +57,18 @@ TRTLLM_INPUTS = (
     _t("stop_words", "STRING", (-1,)),
     _t("bad_words", "STRING", (-1,)),
     _t("return_log_probs", "BOOL"),
+    _t("guided_decoding_guide_type", "STRING"),
+    _t("guided_decoding_guide", "STRING"),
 )
-# Ours: apply the model's own chat template to text_input (one user turn).
-EXTENSION_INPUTS = (_t("apply_chat_template", "BOOL"),)
+# Ours: the model's own chat template, applied to text_input as one user turn
+# (apply_chat_template) or to a JSON list of chat messages (messages, instead
+# of text_input), with tool definitions and template keyword arguments.
+EXTENSION_INPUTS = (
+    _t("apply_chat_template", "BOOL"),
+    _t("messages", "STRING"),
+    _t("chat_template_kwargs", "STRING"),
+    _t("tools", "STRING"),
+)
 TEXT_INPUTS = VLLM_BACKEND_INPUTS + TRTLLM_INPUTS + EXTENSION_INPUTS
 
 TEXT_OUTPUTS = (

@@ -49,9 +49,11 @@ class LlmRequest:
         return DecodeRule.from_params(self.sampling)
 
     def sampling_params(self):
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
         kwargs = {k: v for k, v in self.sampling.items() if k not in _NOT_ENGINE_FIELDS}
+        if "structured_outputs" in kwargs:
+            kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
         kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
         return SamplingParams(**kwargs, output_kind=kind)
 
@@ -63,7 +65,7 @@ def parse_llm_request(tensors: dict[str, np.ndarray], limits: Limits) -> LlmRequ
     prompt_ids = tensors["input_ids"].reshape(-1).tolist()
     check_token_ids(prompt_ids, limits)
     sampling = finalize_sampling(parse_sampling_json(string_value(tensors, "sampling_parameters")),
-                                 len(prompt_ids), limits)
+                                 len(prompt_ids), limits, "input_ids")
     stream = tensors.get("stream")
     return LlmRequest(prompt_ids=prompt_ids, sampling=sampling,
                       stream=bool(stream.reshape(-1)[0]) if stream is not None else False)
@@ -96,7 +98,8 @@ class StepTracker:
             token_logprobs=token_logprobs,
             logprobs_json=logprobs_json,
             num_input_tokens=len(output.prompt_token_ids or []),
-            num_output_tokens=len(self._generated),
+            # vllm_backend's count: this response's tokens (a stream's counts sum to the total)
+            num_output_tokens=len(new_ids),
         )
 
     def _logprobs(self, completion: Any, new_ids: list[int]) -> tuple[list[float], str]:

@@ -19,20 +19,30 @@ class Prepared:
     postprocess_config: str
 
 
-def tokenize(tokenizer: Any, request: GenerationRequest) -> list[int]:
-    if not request.apply_chat_template:
-        return list(tokenizer.encode(request.prompt, add_special_tokens=True))
+def rendered_prompt(tokenizer: Any, request: GenerationRequest) -> str:
+    """The text the model reads: text_input as it is, or the model's chat template
+    applied to `messages` (or to text_input as one user turn), with tools and
+    chat_template_kwargs."""
+    if request.messages is None and not request.apply_chat_template:
+        for name, given in (("chat_template_kwargs", request.chat_template_kwargs), ("tools", request.tools)):
+            if given:
+                raise RequestError(f"input '{name}' is given but no chat template is applied: send 'messages', "
+                                   "or set 'apply_chat_template'")
+        return request.prompt
+    source = "messages" if request.messages is not None else "apply_chat_template"
     if not getattr(tokenizer, "chat_template", None):
-        raise RequestError("input 'apply_chat_template' is true but the served model has no chat template")
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": request.prompt}], tokenize=False, add_generation_prompt=True
-    )
-    return list(tokenizer.encode(text, add_special_tokens=False))
+        raise RequestError(f"input '{source}' needs a chat template, and the served model has none")
+    messages = request.messages or [{"role": "user", "content": request.prompt}]
+    try:
+        return tokenizer.apply_chat_template(messages, tools=request.tools, tokenize=False,
+                                             add_generation_prompt=True, **request.chat_template_kwargs)
+    except Exception as exc:  # the template's own refusals (raise_exception) and its failures on odd input
+        raise RequestError(f"the model's chat template refused input '{source}': {exc}") from None
 
 
-def postprocess_config(request: GenerationRequest) -> dict[str, Any]:
+def postprocess_config(request: GenerationRequest, prompt: str) -> dict[str, Any]:
     return {
-        "echo": request.prompt if request.echo_prompt else "",
+        "echo": prompt if request.echo_prompt else "",
         **{k: request.sampling[k] for k in ("stop", "include_stop_str_in_output", "skip_special_tokens")
            if k in request.sampling},
         "returns": request.returns,
@@ -41,14 +51,21 @@ def postprocess_config(request: GenerationRequest) -> dict[str, Any]:
 
 def prepare(tensors: Mapping[str, np.ndarray], tokenizer: Any, limits: Limits) -> Prepared:
     request = parse_request(tensors)
+    source = "messages" if request.messages is not None else "text_input"
     check_prompt_size(request.prompt, limits)
-    ids = tokenize(tokenizer, request)
-    sampling = finalize_sampling(request.sampling, len(ids), limits)
+    prompt = rendered_prompt(tokenizer, request)
+    check_prompt_size(prompt, limits, source)
+    templated = request.messages is not None or request.apply_chat_template
+    # A template's text carries its special tokens; a plain prompt gets the tokenizer's own.
+    ids = list(tokenizer.encode(prompt, add_special_tokens=not templated))
+    sampling = finalize_sampling(request.sampling, len(ids), limits, source)
     return Prepared(
         input_ids=ids,
         sampling_json=json.dumps(sampling),
         stream=request.stream,
-        postprocess_config=json.dumps(postprocess_config(request)),
+        # echoed as the client sent it: text_input as is, messages as rendered
+        postprocess_config=json.dumps(postprocess_config(request, request.prompt if request.messages is None
+                                                          else prompt)),
     )
 
 

@@ -13,13 +13,14 @@ from typing import Any, Callable, Literal, Mapping
 
 import numpy as np
 
+from a3b_backend import structured
 from a3b_backend.triton_io import RequestError, decode_utf8, scalar, string_value
 
 # ---------------------------------------------------------------------------
 # Parameter table: name -> (kind, check, allowed-range text). `kind` coerces the
 # value (vllm_backend lets sampling_parameters carry numbers as strings).
 Check = Callable[[Any], bool]
-ParamKind = Literal["float", "int", "bool", "str_list", "int_list"]
+ParamKind = Literal["float", "int", "bool", "str_list", "int_list", "structured"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,8 @@ SAMPLING_PARAMS: dict[str, Param] = {
     "n": Param("int", lambda v: v == 1, "1 (several sequences per request are not supported)"),
     "best_of": Param("int", lambda v: v == 1, "1 (best-of sampling is not supported)"),
     "use_beam_search": Param("bool", lambda v: v is False, "false (beam search is not supported)"),
+    "structured_outputs": Param("structured", lambda v: True,
+                                "an object with one of json, regex, choice, grammar, json_object"),
 }
 
 # TensorRT-LLM ensemble tensors that map straight onto a sampling parameter.
@@ -82,11 +85,18 @@ RETURN_FLAGS = (
 )
 
 
+MESSAGE_ROLES = ("system", "user", "assistant", "tool")
+
+
 @dataclasses.dataclass
 class GenerationRequest:
-    """One validated text request, as the preprocessing model hands it on."""
+    """One validated text request, as the preprocessing model hands it on:
+    a prompt (text_input) or chat messages, rendered by the model's template."""
 
     prompt: str
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     stream: bool = False
     exclude_input_in_output: bool = False
     apply_chat_template: bool = False
@@ -121,6 +131,8 @@ def _string_list(tensors: Mapping[str, np.ndarray], name: str) -> list[str] | No
 # ---------------------------------------------------------------------------
 # Coercion and validation
 def _coerce(kind: ParamKind, value: Any, name: str) -> Any:
+    if kind == "structured":  # its own errors name what is wrong inside it
+        return structured.from_sampling(value)
     where = f"'{name}'"
     try:
         if kind == "bool":
@@ -168,6 +180,7 @@ _KIND_TEXT = {
     "float": "a number",
     "str_list": "a string or list of strings",
     "int_list": "a list of integers",
+    "structured": "an object",
 }
 
 
@@ -235,13 +248,73 @@ def _refuse_unsupported_trtllm(tensors: Mapping[str, np.ndarray]) -> None:
         )
 
 
+def _json_input(tensors: Mapping[str, np.ndarray], name: str, expected: type, what: str) -> Any:
+    raw = string_value(tensors, name)
+    if not raw.strip():
+        return None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"input '{name}' is not valid JSON: {exc.msg} at char {exc.pos}") from None
+    if not isinstance(value, expected):
+        raise RequestError(f"input '{name}' must be {what}, got {type(value).__name__}")
+    return value
+
+
+def _messages(tensors: Mapping[str, np.ndarray]) -> list[dict[str, Any]] | None:
+    messages = _json_input(tensors, "messages", list, "a JSON list of chat messages")
+    if messages is None:
+        return None
+    if not messages:
+        raise RequestError("input 'messages' is an empty list; at least one message is required")
+    for i, message in enumerate(messages):
+        where = f"input 'messages'[{i}]"
+        if not isinstance(message, dict):
+            raise RequestError(f"{where} must be an object with 'role' and 'content', got {type(message).__name__}")
+        role = message.get("role")
+        if role not in MESSAGE_ROLES:
+            raise RequestError(f"{where} has role {role!r}; allowed: {', '.join(MESSAGE_ROLES)}")
+        content = message.get("content")
+        if not (isinstance(content, str) or (content is None and role == "assistant")):
+            raise RequestError(f"{where} ({role}) needs 'content' as a string"
+                               + (" (or null with tool_calls)" if role == "assistant" else ""))
+        calls = message.get("tool_calls")
+        if calls is not None and not (role == "assistant" and isinstance(calls, list)):
+            raise RequestError(f"{where}: 'tool_calls' is a list, on assistant messages only")
+    return messages
+
+
+def _tools(tensors: Mapping[str, np.ndarray]) -> list[dict[str, Any]] | None:
+    tools = _json_input(tensors, "tools", list, "a JSON list of tool definitions (OpenAI function format)")
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str) and function["name"]):
+            raise RequestError(f"input 'tools'[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                               f"\"parameters\": ...}}}}")
+    return tools
+
+
+def _guided_decoding(tensors: Mapping[str, np.ndarray]) -> dict[str, Any] | None:
+    guide_type = string_value(tensors, "guided_decoding_guide_type")
+    guide = string_value(tensors, "guided_decoding_guide")
+    if not guide_type:
+        if guide:
+            raise RequestError("input 'guided_decoding_guide' needs 'guided_decoding_guide_type' "
+                               f"({', '.join(structured.GUIDE_TYPES)})")
+        return None
+    return structured.from_guide(guide_type, guide or None)
+
+
 def parse_request(tensors: Mapping[str, np.ndarray]) -> GenerationRequest:
     """Merge the vllm_backend and TensorRT-LLM forms; refuse conflicts."""
     raw_prompt = scalar(tensors, "text_input")
-    if raw_prompt is None:
-        raise RequestError("input 'text_input' is required (a STRING tensor of shape [1])")
-    prompt = decode_utf8(raw_prompt, "text_input")
-    if not prompt.strip():
+    messages = _messages(tensors)
+    if (raw_prompt is None) == (messages is None):
+        raise RequestError("send exactly one of input 'text_input' (a STRING tensor of shape [1]) and input "
+                           "'messages' (a JSON list of chat messages)"
+                           + (", not both" if messages is not None else ""))
+    prompt = "" if raw_prompt is None else decode_utf8(raw_prompt, "text_input")
+    if messages is None and not prompt.strip():
         raise RequestError("input 'text_input' is empty; a non-empty prompt is required")
 
     sampling = parse_sampling_json(string_value(tensors, "sampling_parameters"))
@@ -252,12 +325,21 @@ def parse_request(tensors: Mapping[str, np.ndarray]) -> GenerationRequest:
                 f"and as a tensor ({value!r}); send it once"
             )
         sampling[name] = value
+    guided = _guided_decoding(tensors)
+    if guided is not None:
+        if "structured_outputs" in sampling:
+            raise RequestError("structured outputs are given both in 'sampling_parameters' (structured_outputs) "
+                               "and as 'guided_decoding_guide_type'; send them once")
+        sampling["structured_outputs"] = guided
 
     returns = {flag: _bool_tensor(tensors, flag, False) for flag in RETURN_FLAGS}
     if returns["return_log_probs"] or returns["return_logprobs"] or returns["return_cumulative_logprob"]:
         sampling.setdefault("logprobs", 0)
     return GenerationRequest(
         prompt=prompt,
+        messages=messages,
+        tools=_tools(tensors),
+        chat_template_kwargs=_json_input(tensors, "chat_template_kwargs", dict, "a JSON object") or {},
         stream=_bool_tensor(tensors, "stream", False),
         exclude_input_in_output=_bool_tensor(tensors, "exclude_input_in_output", False),
         apply_chat_template=_bool_tensor(tensors, "apply_chat_template", False),
@@ -280,11 +362,11 @@ class Limits:
         return 32 * self.max_model_len
 
 
-def check_prompt_size(prompt: str, limits: Limits) -> None:
+def check_prompt_size(prompt: str, limits: Limits, name: str = "text_input") -> None:
     size = len(prompt.encode("utf-8"))
     if size > limits.max_prompt_bytes:
         raise RequestError(
-            f"input 'text_input' is {size} bytes; allowed is at most {limits.max_prompt_bytes} bytes "
+            f"input '{name}' is {size} bytes; allowed is at most {limits.max_prompt_bytes} bytes "
             f"(32 bytes per token of the {limits.max_model_len}-token context)"
         )
 
@@ -301,12 +383,13 @@ def check_token_ids(ids: list[int], limits: Limits) -> None:
             )
 
 
-def finalize_sampling(sampling: dict[str, Any], num_prompt_tokens: int, limits: Limits) -> dict[str, Any]:
+def finalize_sampling(sampling: dict[str, Any], num_prompt_tokens: int, limits: Limits,
+                      prompt_input: str = "text_input") -> dict[str, Any]:
     """Apply the context window and defaults once the prompt length is known."""
     room = limits.max_model_len - num_prompt_tokens
     if room < 1:
         raise RequestError(
-            f"input 'text_input' is {num_prompt_tokens} tokens; the model's context is "
+            f"input '{prompt_input}' is {num_prompt_tokens} tokens; the model's context is "
             f"{limits.max_model_len} tokens (max_model_len), which leaves no room to generate: "
             f"shorten the prompt to at most {limits.max_model_len - 1} tokens"
         )

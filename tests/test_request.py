@@ -51,7 +51,7 @@ def test_logprob_flags_ask_engine_for_logprobs():
 
 
 @pytest.mark.parametrize("tensors, fragment", [
-    ({}, "'text_input' is required"),
+    ({}, "send exactly one of input 'text_input'"),
     ({"text_input": s("   ")}, "'text_input' is empty"),
     ({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}, "'text_input' is not valid UTF-8"),
     ({"text_input": s("a"), "sampling_parameters": s("{bad")}, "'sampling_parameters' is not valid JSON"),
@@ -70,6 +70,40 @@ def test_logprob_flags_ask_engine_for_logprobs():
       "sampling_parameters": s('{"max_tokens": 4}')}, "given both"),
     ({"text_input": s("a"), "temperature": np.array([np.nan], np.float32)}, "'temperature'"),
     ({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, "exactly one value"),
+    # chat
+    ({"text_input": s("a"), "messages": s('[{"role": "user", "content": "hi"}]')}, "not both"),
+    ({"messages": s("[{bad")}, "input 'messages' is not valid JSON"),
+    ({"messages": s('{"role": "user"}')}, "input 'messages' must be a JSON list"),
+    ({"messages": s("[]")}, "'messages' is an empty list"),
+    ({"messages": s('[{"role": "wizard", "content": "hi"}]')}, "'messages'[0] has role 'wizard'; allowed: system"),
+    ({"messages": s('[{"role": "user", "content": 5}]')}, "'messages'[0] (user) needs 'content' as a string"),
+    ({"messages": s('["hi"]')}, "'messages'[0] must be an object"),
+    ({"messages": s('[{"role": "user", "content": "a", "tool_calls": []}]')}, "on assistant messages only"),
+    ({"text_input": s("a"), "tools": s('{"name": "f"}')}, "input 'tools' must be a JSON list"),
+    ({"text_input": s("a"), "tools": s('[{"type": "function"}]')}, "input 'tools'[0] must be"),
+    ({"text_input": s("a"), "chat_template_kwargs": s("[1]")}, "'chat_template_kwargs' must be a JSON object"),
+    # structured outputs, both forms
+    ({"text_input": s("a"), "sampling_parameters": s('{"structured_outputs": {"json": {"type": "objectx"}}}')},
+     "parameter 'structured_outputs': invalid json: Unsupported type \"objectx\""),
+    ({"text_input": s("a"), "sampling_parameters": s('{"structured_outputs": {"regex": "a(b"}}')},
+     "invalid regex: Regex parsing error at position 4: The parenthesis is not closed"),
+    ({"text_input": s("a"), "sampling_parameters": s('{"structured_outputs": {"grammar": "root ::= "}}')},
+     "invalid grammar: EBNF parser error"),
+    ({"text_input": s("a"), "sampling_parameters": s('{"structured_outputs": {"choice": []}}')},
+     "choice must be a non-empty list"),
+    ({"text_input": s("a"), "sampling_parameters": s('{"structured_outputs": {"regex": "a", "choice": ["b"]}}')},
+     "needs exactly one of json, regex, choice, grammar, json_object; got regex, choice"),
+    ({"text_input": s("a"), "sampling_parameters": s('{"structured_outputs": {"lark": "x"}}')},
+     "unknown key(s) lark"),
+    ({"text_input": s("a"), "sampling_parameters": s('{"structured_outputs": "{oops"}')}, "not valid JSON"),
+    ({"text_input": s("a"), "guided_decoding_guide_type": s("xml")},
+     "'guided_decoding_guide_type' = 'xml' is not supported; allowed: json, json_schema, regex, ebnf_grammar"),
+    ({"text_input": s("a"), "guided_decoding_guide_type": s("regex")}, "needs 'guided_decoding_guide'"),
+    ({"text_input": s("a"), "guided_decoding_guide": s("[a-z]+")}, "needs 'guided_decoding_guide_type'"),
+    ({"text_input": s("a"), "guided_decoding_guide_type": s("json_schema"), "guided_decoding_guide": s("{x")},
+     "the JSON schema is not valid JSON"),
+    ({"text_input": s("a"), "guided_decoding_guide_type": s("regex"), "guided_decoding_guide": s("[a-z]+"),
+      "sampling_parameters": s('{"structured_outputs": {"regex": "b"}}')}, "given both"),
 ])
 def test_bad_requests_name_the_problem(tensors, fragment):
     with pytest.raises(RequestError) as err:
@@ -86,3 +120,25 @@ def test_finalize_applies_default_and_context():
         finalize_sampling({}, 100, LIMITS)
     with pytest.raises(RequestError, match="at most 16"):
         finalize_sampling({"stop": ["x"] * 17}, 1, LIMITS)
+
+
+def test_structured_outputs_in_both_forms_reach_the_same_constraint():
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    as_object = parse_request({"text_input": s("a"), "sampling_parameters": s(json.dumps(
+        {"structured_outputs": {"json": schema}}))})
+    # Triton's OpenAI frontend sends the whole dataclass as a string: nulls and private keys ignored
+    as_string = parse_request({"text_input": s("a"), "sampling_parameters": s(json.dumps(
+        {"structured_outputs": json.dumps({"json": schema, "regex": None, "choice": None, "_backend": None})}))})
+    trtllm = parse_request({"text_input": s("a"), "guided_decoding_guide_type": s("json_schema"),
+                            "guided_decoding_guide": s(json.dumps(schema))})
+    assert as_object.sampling["structured_outputs"] == as_string.sampling["structured_outputs"] == \
+        trtllm.sampling["structured_outputs"] == {"json": schema}
+    assert parse_request({"text_input": s("a"), "guided_decoding_guide_type": s("json")}).sampling[
+        "structured_outputs"] == {"json_object": True}
+
+
+def test_messages_replace_text_input():
+    req = parse_request({"messages": s('[{"role": "system", "content": "Be brief."}, {"role": "user", '
+                                       '"content": "hi"}]'), "chat_template_kwargs": s('{"enable_thinking": false}')})
+    assert req.prompt == "" and [m["role"] for m in req.messages] == ["system", "user"]
+    assert req.chat_template_kwargs == {"enable_thinking": False}

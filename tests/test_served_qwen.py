@@ -147,3 +147,26 @@ def test_prompt_beyond_the_profiles_context_is_refused(qwen_server):
     assert not responses and error is not None
     assert re.search(rf"input 'text_input' is \d+ tokens; the model's context is {PROFILE.max_model_len} tokens", error)
     assert generate(qwen_server, PROMPTS[0])  # and the server still serves
+
+
+@pytest.mark.parametrize("form", ["messages", "apply_chat_template"])
+def test_chat_template_kwargs_reach_the_template(qwen_server, form):
+    """Qwen3.6's template opens a think block by default; enable_thinking=false closes an empty one."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(PROFILE.resolve_model_dir(server_process.ROOT))
+    chat = [{"role": "user", "content": PROMPTS[0]}]
+    request = ({"messages": json.dumps(chat)} if form == "messages"
+               else {"text_input": PROMPTS[0], "apply_chat_template": True})
+    seen = {}
+    for kwargs in ({}, {"enable_thinking": False}):
+        rendered = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **kwargs)
+        responses, error = stream_infer(qwen_server.grpc_url, "ensemble", dict(
+            request, chat_template_kwargs=json.dumps(kwargs), return_num_input_tokens=True,
+            sampling_parameters=json.dumps({"temperature": 0, "max_tokens": 4})))
+        assert error is None, error
+        assert int(responses[0]["num_input_tokens"][0]) == len(tok.encode(rendered, add_special_tokens=False))
+        if form == "messages":  # messages echo as rendered
+            assert texts(responses)[0].startswith(rendered)
+        seen[bool(kwargs)] = rendered
+    assert seen[False].endswith("<think>\n") and seen[True].endswith("<think>\n\n</think>\n\n")

@@ -1,0 +1,129 @@
+"""Chat messages, structured outputs in both forms and vllm_backend's counts,
+through the real server (the session's, default model)."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+
+from served import CAPITAL, GREEDY, stream_infer, text_request, texts
+
+pytestmark = pytest.mark.served
+# SmolLM2's own default system text (its template adds it when none is given)
+CHAT = [{"role": "system", "content": "You are a helpful AI assistant named SmolLM, trained by Hugging Face"},
+        {"role": "user", "content": CAPITAL}]
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+          "required": ["city", "population"], "additionalProperties": False}
+
+
+def ensemble(server, inputs: dict) -> list[dict]:
+    responses, error = stream_infer(server.grpc_url, "ensemble", inputs)
+    assert error is None, error
+    return responses
+
+
+def answer(server, inputs: dict) -> str:
+    return "".join(texts(ensemble(server, inputs)))
+
+
+def test_messages_are_rendered_by_the_models_template(server, tokenizer):
+    rendered = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    [whole] = ensemble(server, {"messages": json.dumps(CHAT), "sampling_parameters": json.dumps(GREEDY),
+                                "return_num_input_tokens": True})
+    text = whole["text_output"].reshape(-1)[0].decode()
+    assert int(whole["num_input_tokens"][0]) == len(tokenizer.encode(rendered, add_special_tokens=False))
+    assert text.startswith(rendered)  # the echoed prompt is the rendering (exclude_input_in_output false)
+    assert "Paris" in text[len(rendered):]
+
+
+def test_num_output_tokens_counts_each_response(server):
+    sampling = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    streamed = ensemble(server, text_request(CAPITAL, True, sampling, return_num_output_tokens=True))
+    counts = [int(r["num_output_tokens"][0]) for r in streamed]
+    assert sum(counts) == 12 and max(counts) < 12  # per response, not a running total
+    [whole] = ensemble(server, text_request(CAPITAL, False, sampling, return_num_output_tokens=True))
+    assert int(whole["num_output_tokens"][0]) == 12
+
+
+def structured_request(prompt: str, trtllm: tuple[str, str] | None = None, **constraint) -> dict:
+    sampling = {"temperature": 0, "max_tokens": 64}
+    if constraint:
+        sampling["structured_outputs"] = constraint
+    extra = {"guided_decoding_guide_type": trtllm[0], "guided_decoding_guide": trtllm[1]} if trtllm else {}
+    return text_request(prompt, False, sampling, exclude_input_in_output=True, **extra)
+
+
+def validates(text: str) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+@pytest.mark.parametrize("form", ["vllm_backend", "tensorrtllm"])
+def test_json_schema_is_followed(server, form):
+    prompt = CAPITAL
+    assert not validates(answer(server, structured_request(prompt)))  # the constraint is what makes it valid
+    request = (structured_request(prompt, json=SCHEMA) if form == "vllm_backend"
+               else structured_request(prompt, ("json_schema", json.dumps(SCHEMA))))
+    text = answer(server, request)
+    assert validates(text), text
+
+
+def test_choice_regex_and_any_json(server):
+    choices = ["zebra-7", "quartz-9"]
+    assert answer(server, structured_request(CAPITAL, choice=choices)) in choices
+    assert answer(server, structured_request(CAPITAL, ("regex", "[A-Z][a-z]+ [0-9]{3}"))).count(" ") == 1
+    assert re.fullmatch(r"[A-Z][a-z]+ [0-9]{3}", answer(server, structured_request(CAPITAL, regex="[A-Z][a-z]+ [0-9]{3}")))
+    text = answer(server, structured_request('Reply with a JSON object {"answer": ...} holding the capital of France.',
+                                             ("json", "")))
+    assert isinstance(json.loads(text), dict), text
+
+
+BAD_CHAT_INPUTS = [
+    ({"text_input": "hi", "messages": json.dumps(CHAT)}, "not both"),
+    ({"messages": "[{not json"}, "input 'messages' is not valid JSON"),
+    ({"messages": json.dumps([{"role": "narrator", "content": "x"}])}, "has role 'narrator'"),
+    ({"messages": json.dumps([{"role": "user"}])}, "needs 'content' as a string"),
+    ({"messages": json.dumps(CHAT), "tools": json.dumps({"name": "f"})}, "input 'tools' must be a JSON list"),
+    ({"messages": json.dumps(CHAT), "chat_template_kwargs": "[true]"}, "'chat_template_kwargs' must be a JSON object"),
+    ({"text_input": "hi", "chat_template_kwargs": json.dumps({"enable_thinking": False})},
+     "no chat template is applied"),
+    ({"text_input": "hi", "sampling_parameters": json.dumps({"structured_outputs": {"json": {"type": "objectx"}}})},
+     "invalid json: Unsupported type"),
+    ({"text_input": "hi", "sampling_parameters": json.dumps({"structured_outputs": {"regex": "(unclosed"}})},
+     "invalid regex"),
+    ({"text_input": "hi", "sampling_parameters": json.dumps({"structured_outputs": {"grammar": "root ::= "}})},
+     "invalid grammar"),
+    ({"text_input": "hi", "guided_decoding_guide_type": "yaml", "guided_decoding_guide": "a: b"},
+     "'guided_decoding_guide_type' = 'yaml' is not supported"),
+    ({"text_input": "hi", "guided_decoding_guide_type": "ebnf_grammar"}, "needs 'guided_decoding_guide'"),
+    ({"text_input": "hi", "guided_decoding_guide": "[a-z]+"}, "needs 'guided_decoding_guide_type'"),
+]
+
+
+def test_bad_chat_and_structured_inputs_are_refused_while_streams_finish(server):
+    sampling = {"temperature": 0, "max_tokens": 48, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        streams = [pool.submit(stream_infer, server.grpc_url, "ensemble", text_request(CAPITAL, True, sampling))
+                   for _ in range(2)]
+        for inputs, fragment in BAD_CHAT_INPUTS:
+            responses, error = stream_infer(server.grpc_url, "ensemble", inputs)
+            assert error is not None and fragment in error, (inputs, error)
+        for stream in streams:
+            responses, error = stream.result()
+            assert error is None and sum(len(t) for t in texts(responses)) > 0
+    assert server.is_ready()
+
+
+def test_trtllm_tensors_and_messages_combine(server):
+    """A TensorRT-LLM-style client sending messages: tensor sampling parameters apply."""
+    inputs = {"messages": json.dumps(CHAT), "max_tokens": np.array([5], np.int32), "stream": True,
+              "return_num_output_tokens": True}
+    responses = ensemble(server, inputs)
+    assert sum(int(r["num_output_tokens"][0]) for r in responses) <= 5
