@@ -57,6 +57,8 @@ SAMPLING_PARAMS: dict[str, Param] = {
     "use_beam_search": Param("bool", lambda v: v is False, "false (beam search is not supported)"),
     "structured_outputs": Param("structured", lambda v: True,
                                 "an object with one of json, regex, choice, grammar, json_object"),
+    # The name older vLLM releases (and the Triton OpenAI frontend built on them) send.
+    "guided_decoding": Param("structured", lambda v: True, "the same as structured_outputs"),
 }
 
 # TensorRT-LLM ensemble tensors that map straight onto a sampling parameter.
@@ -185,6 +187,9 @@ _KIND_TEXT = {
 
 
 def _validated(name: str, value: Any) -> Any:
+    if name == "logprobs" and isinstance(value, bool):
+        # OpenAI chat's form, which Triton's OpenAI frontend passes on: false = none, true = the sampled token's
+        return 0 if value else None
     spec = SAMPLING_PARAMS.get(name)
     if spec is None:
         raise RequestError(
@@ -208,7 +213,11 @@ def parse_sampling_json(raw: str) -> dict[str, Any]:
         raise RequestError(
             f"input 'sampling_parameters' must be a JSON object, got {type(obj).__name__}"
         )
-    return {name: _validated(name, value) for name, value in obj.items()}
+    if "guided_decoding" in obj and "structured_outputs" in obj:
+        raise RequestError("parameters 'guided_decoding' and 'structured_outputs' are the same; send one")
+    validated = {"structured_outputs" if name == "guided_decoding" else name: _validated(name, value)
+                 for name, value in obj.items()}
+    return {name: value for name, value in validated.items() if value is not None}
 
 
 def _trtllm_sampling(tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:

@@ -22,6 +22,9 @@ from a3b_backend.triton_io import RequestError
 Constraint = Literal["json", "regex", "choice", "grammar", "json_object"]
 CONSTRAINTS: tuple[Constraint, ...] = ("json", "regex", "choice", "grammar", "json_object")
 OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+# Older vLLM's GuidedDecodingParams fields that pick vLLM's own backend: the
+# engine's configured backend is used, so they are dropped.
+BACKEND_CHOICE = ("backend", "backend_was_auto", "disable_fallback")
 # TensorRT-LLM guide type -> constraint
 GUIDE_TYPES: dict[str, Constraint] = {"json": "json_object", "json_schema": "json", "regex": "regex",
                                       "ebnf_grammar": "grammar"}
@@ -38,7 +41,7 @@ def from_sampling(value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise RequestError(f"{WHERE_SAMPLING} must be an object (or a JSON string of one) with one of "
                            f"{', '.join(CONSTRAINTS)}; got {type(value).__name__}")
-    fields = {k: v for k, v in value.items() if v is not None and not k.startswith("_")}
+    fields = {k: v for k, v in value.items() if v is not None and not k.startswith("_") and k not in BACKEND_CHOICE}
     unknown = sorted(set(fields) - set(CONSTRAINTS) - set(OPTIONS))
     if unknown:
         raise RequestError(f"{WHERE_SAMPLING} has unknown key(s) {', '.join(unknown)}; allowed: "

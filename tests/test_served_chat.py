@@ -127,3 +127,63 @@ def test_trtllm_tensors_and_messages_combine(server):
               "return_num_output_tokens": True}
     responses = ensemble(server, inputs)
     assert sum(int(r["num_output_tokens"][0]) for r in responses) <= 5
+
+
+# Triton's OpenAI-compatible frontend (`--backend vllm`) applies the chat
+# template itself and sends vllm_backend's tensors: the rendered prompt as
+# text_input, exclude_input_in_output true, both count flags, and the request's
+# non-None OpenAI fields as sampling_parameters (chat's `logprobs` a boolean).
+# For a named tool choice it adds the tool's parameter schema as a JSON string
+# of the whole structured-outputs dataclass: `structured_outputs` (vLLM's
+# StructuredOutputsParams, `_`-private fields) or, in releases built on older
+# vLLM, `guided_decoding` (GuidedDecodingParams, with backend fields).
+OPENAI_DEFAULTS = {"frequency_penalty": 0.0, "logprobs": False, "n": 1, "presence_penalty": 0.0, "top_p": 1.0}
+WEATHER_TOOL = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def frontend_request(tokenizer, stream: bool, **sampling) -> dict:
+    prompt = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    return {"text_input": prompt, "stream": stream, "exclude_input_in_output": True,
+            "sampling_parameters": json.dumps({**OPENAI_DEFAULTS, "temperature": 0.0, "max_tokens": 24, **sampling}),
+            "return_num_input_tokens": True, "return_num_output_tokens": True}
+
+
+def usage(responses: list[dict]) -> tuple[int, int]:
+    """What the frontend reads: prompt tokens once, completion tokens summed over responses."""
+    return int(responses[0]["num_input_tokens"][0]), sum(int(r["num_output_tokens"][0]) for r in responses)
+
+
+def test_openai_frontend_chat_request(server, tokenizer):
+    [response] = ensemble(server, frontend_request(tokenizer, stream=False))
+    text = response["text_output"].reshape(-1)[0].decode()
+    prompt = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert "Paris" in text and not text.startswith("<|im_start|>")
+    prompt_tokens, completion_tokens = usage([response])
+    assert prompt_tokens == len(tokenizer.encode(prompt))
+    assert 0 < completion_tokens <= 24
+
+
+def test_openai_frontend_streaming_request(server, tokenizer):
+    whole = ensemble(server, frontend_request(tokenizer, stream=False, ignore_eos=True))
+    streamed = ensemble(server, frontend_request(tokenizer, stream=True, ignore_eos=True))
+    assert len(streamed) > 1 and "".join(texts(streamed)) == texts(whole)[0]
+    assert usage(streamed) == usage(whole) and usage(whole)[1] == 24
+
+
+@pytest.mark.parametrize("dataclass_form", ["structured_outputs", "guided_decoding"])
+def test_openai_frontend_named_tool_choice(server, tokenizer, dataclass_form):
+    schema = json.dumps(WEATHER_TOOL)
+    if dataclass_form == "structured_outputs":
+        import dataclasses
+
+        from vllm.sampling_params import StructuredOutputsParams
+
+        constraint = dataclasses.asdict(StructuredOutputsParams(json=schema))
+    else:  # GuidedDecodingParams' fields in the vLLM releases that had it
+        constraint = {"json": schema, "regex": None, "choice": None, "grammar": None, "json_object": None,
+                      "backend": None, "backend_was_auto": False, "disable_fallback": False,
+                      "disable_any_whitespace": False, "disable_additional_properties": False,
+                      "whitespace_pattern": None, "structural_tag": None}
+    [response] = ensemble(server, frontend_request(tokenizer, stream=False, **{dataclass_form: json.dumps(constraint)}))
+    arguments = json.loads(response["text_output"].reshape(-1)[0].decode())
+    jsonschema.validate(arguments, WEATHER_TOOL)
