@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from a3b_backend.profiles import get_profile
 from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
+from test_quant_convert import tensors
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "models" / "qwen3.6-tiny"
@@ -46,14 +46,6 @@ MEDIAN_TOLERANCE = 0.12
 OUTLIER_TOLERANCE, MAX_OUTLIER_SHARE = 0.35, 0.12
 
 
-def stored_tensors(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for shard in path.glob("*.safetensors"):
-        with safe_open(shard, "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
-
-
 def reference_model(checkpoint: Path):
     """transformers' Qwen3.5-MoE text model, float32, with the checkpoint's weights
     (A3B weights dequantized; stacked or per-expert experts; the published prefixes)."""
@@ -64,7 +56,7 @@ def reference_model(checkpoint: Path):
     a3b = A3BConfig.from_json(quantization) if quantization else None
     config = AutoConfig.for_model(**config_json)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    stored = stored_tensors(checkpoint)
+    stored = tensors(checkpoint)
 
     def weight(name: str) -> torch.Tensor:
         if f"{name}_packed" in stored:
@@ -103,7 +95,7 @@ def prompts() -> list[list[int]]:
 
 
 def test_checkpoint_has_the_published_layout():
-    names = set(stored_tensors(SOURCE))
+    names = set(tensors(SOURCE))
     assert "model.language_model.embed_tokens.weight" in names and "lm_head.weight" in names
     assert not any(n.startswith("model.layers.") for n in names)
     assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in names  # stacked
@@ -116,7 +108,7 @@ def test_checkpoint_has_the_published_layout():
 
 
 def test_conversion_keeps_router_gates_norms_and_mtp():
-    stored = stored_tensors(QUANTIZED)
+    stored = tensors(QUANTIZED)
     layer = "model.language_model.layers.0."
     for kept in (f"{layer}mlp.gate.weight", f"{layer}mlp.shared_expert_gate.weight",
                  f"{layer}linear_attn.in_proj_a.weight", f"{layer}linear_attn.in_proj_b.weight",
