@@ -27,7 +27,7 @@ def j(**params) -> str:
 
 
 ENSEMBLE_CASES = [
-    ({"stream": True}, "'text_input' is required"),
+    ({"stream": True}, "send exactly one of input 'text_input'"),
     ({"text_input": ""}, "'text_input' is empty"),
     ({"text_input": "  \n "}, "'text_input' is empty"),
     ({"text_input": b"caf\xe9 \xff"}, "'text_input' is not valid UTF-8"),
@@ -82,7 +82,7 @@ LLM_CASES = [
     ({"input_ids": np.array([1, 2], I32), "sampling_parameters": j(max_tokens=0)}, "'max_tokens' = 0"),
     ({"input_ids": np.array([1, 10**9], I32)}, "token id 1000000000; allowed is 0..49151"),
     ({"input_ids": np.array([-3, 2], I32)}, "token id -3"),
-    ({"input_ids": np.ones(9000, I32)}, "'text_input' is 9000 tokens"),
+    ({"input_ids": np.ones(9000, I32)}, "input 'input_ids' is 9000 tokens"),
 ]
 
 
