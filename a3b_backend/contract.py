@@ -68,6 +68,9 @@ EXTENSION_INPUTS = (
     _t("messages", "STRING"),
     _t("chat_template_kwargs", "STRING"),
     _t("tools", "STRING"),
+    # reasoning and tool calls parsed out of the answer (profiles with parsers)
+    _t("return_reasoning", "BOOL"),
+    _t("return_tool_calls", "BOOL"),
 )
 TEXT_INPUTS = VLLM_BACKEND_INPUTS + TRTLLM_INPUTS + EXTENSION_INPUTS
 
@@ -80,6 +83,8 @@ TEXT_OUTPUTS = (
     _t("num_output_tokens", "UINT32", (-1,)),
     _t("cum_log_probs", "FP32", (-1,)),
     _t("output_log_probs", "FP32", (-1,)),
+    _t("reasoning_output", "STRING", (-1,)),
+    _t("tool_calls", "STRING", (-1,)),
 )
 
 # preprocessing -> a3b_llm
@@ -90,6 +95,8 @@ LLM_REQUEST_INPUTS = (
     # Opaque JSON echoed on every response: postprocessing is fed only by the
     # decoupled a3b_llm, so whatever it needs must travel through it.
     _t(POSTPROCESS_CONFIG, "STRING"),
+    # JSON for a3b_llm's per-request reasoning/tool-call parser ("" = none)
+    _t("parser_config", "STRING"),
 )
 # A control request: abort the generation with this request_id. Triton 2.51
 # does not pass an ensemble client's cancellation to a3b_llm, but
@@ -109,6 +116,10 @@ LLM_OUTPUTS = (
     _t("num_output_tokens", "UINT32", (1,)),
     _t(POSTPROCESS_CONFIG, "STRING", (1,)),
     _t(REQUEST_ID, "STRING", (1,)),
+    # this step's pieces when the request is parsed ("" otherwise)
+    _t("reasoning_text", "STRING", (1,)),
+    _t("content_text", "STRING", (1,)),
+    _t("tool_calls", "STRING", (1,)),
 )
 PREPROCESS_OUTPUTS = tuple(dataclasses.replace(t, optional=False) for t in LLM_REQUEST_INPUTS)
 POSTPROCESS_INPUTS = tuple(dataclasses.replace(t, optional=False) for t in LLM_OUTPUTS)

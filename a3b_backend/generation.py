@@ -14,6 +14,7 @@ import numpy as np
 
 from a3b_backend.contract import POSTPROCESS_CONFIG, REQUEST_ID
 from a3b_backend.detokenize import DecodeRule
+from a3b_backend.parsing import ChatParser, ParsedStep, parser_class, tool_calls_json
 from a3b_backend.request import Limits, check_token_ids, finalize_sampling, parse_sampling_json
 from a3b_backend.triton_io import RequestError, string_tensor, string_value
 
@@ -32,6 +33,7 @@ class Step:
     logprobs_json: str
     num_input_tokens: int
     num_output_tokens: int
+    parsed: ParsedStep | None = None
 
     @property
     def final(self) -> bool:
@@ -43,6 +45,17 @@ class LlmRequest:
     prompt_ids: list[int]
     sampling: dict[str, Any]
     stream: bool
+    parser_config: dict[str, Any] | None = None
+
+    def parser(self, tokenizer: Any) -> ChatParser | None:
+        """This request's reasoning / tool-call parser (parsing.py says why it lives in a3b_llm)."""
+        if self.parser_config is None:
+            return None
+        if tokenizer is None:
+            raise RequestError("input 'parser_config' asks for parsing but the served profile has no parsers")
+        config = self.parser_config
+        return ChatParser(parser_class(config.get("reasoning_parser"), config.get("tool_parser"), tokenizer),
+                          tokenizer, self.prompt_ids, config.get("tools"), config.get("chat_template_kwargs") or {})
 
     @property
     def decode_rule(self) -> DecodeRule:
@@ -67,14 +80,21 @@ def parse_llm_request(tensors: dict[str, np.ndarray], limits: Limits) -> LlmRequ
     sampling = finalize_sampling(parse_sampling_json(string_value(tensors, "sampling_parameters")),
                                  len(prompt_ids), limits, "input_ids")
     stream = tensors.get("stream")
+    raw_parser_config = string_value(tensors, "parser_config")
+    try:
+        parser_config = json.loads(raw_parser_config) if raw_parser_config else None
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"input 'parser_config' is not valid JSON: {exc.msg}") from None
     return LlmRequest(prompt_ids=prompt_ids, sampling=sampling,
-                      stream=bool(stream.reshape(-1)[0]) if stream is not None else False)
+                      stream=bool(stream.reshape(-1)[0]) if stream is not None else False,
+                      parser_config=parser_config)
 
 
 class StepTracker:
     """Follows one request's outputs (DELTA when streaming, FINAL_ONLY otherwise)."""
 
-    def __init__(self, request: LlmRequest):
+    def __init__(self, request: LlmRequest, parser: ChatParser | None = None):
+        self._parser = parser
         self._context_tokens = request.decode_rule.context_tokens
         self._want_logprobs = request.sampling.get("logprobs") is not None
         self._generated: list[int] = []
@@ -88,6 +108,7 @@ class StepTracker:
         token_logprobs, logprobs_json = self._logprobs(completion, new_ids)
         self._cumulative += sum(token_logprobs)
         finish = completion.finish_reason or ("stop" if output.finished else "")
+        parsed = None if self._parser is None else self._parser.step(completion.text, new_ids, bool(finish))
         stop_reason = completion.stop_reason
         return Step(
             token_ids=new_ids,
@@ -100,6 +121,7 @@ class StepTracker:
             num_input_tokens=len(output.prompt_token_ids or []),
             # vllm_backend's count: this response's tokens (a stream's counts sum to the total)
             num_output_tokens=len(new_ids),
+            parsed=parsed,
         )
 
     def _logprobs(self, completion: Any, new_ids: list[int]) -> tuple[list[float], str]:
@@ -136,5 +158,8 @@ def step_arrays(step: Step, per_request: dict[str, np.ndarray]) -> dict[str, np.
         "logprobs": string_tensor(step.logprobs_json),
         "num_input_tokens": np.array([step.num_input_tokens], dtype=np.uint32),
         "num_output_tokens": np.array([step.num_output_tokens], dtype=np.uint32),
+        "reasoning_text": string_tensor(step.parsed.reasoning if step.parsed else ""),
+        "content_text": string_tensor(step.parsed.content if step.parsed else ""),
+        "tool_calls": string_tensor(tool_calls_json(step.parsed.tool_calls) if step.parsed else ""),
         **per_request,
     }

@@ -19,6 +19,8 @@ OUTPUTS_BY_FLAG = {
     "return_num_input_tokens": ("num_input_tokens",),
     "return_num_output_tokens": ("num_output_tokens",),
     "return_log_probs": ("cum_log_probs", "output_log_probs"),
+    "return_reasoning": ("reasoning_output",),
+    "return_tool_calls": ("tool_calls",),
 }
 
 
@@ -31,14 +33,17 @@ def step_outputs(tensors: Mapping[str, np.ndarray], tokenizer: Any) -> dict[str,
     rule = DecodeRule.from_params(config)
     finish_reason = string_value(tensors, "finish_reason")
     final = bool(finish_reason)
-    text = text_delta(
-        tokenizer,
-        tensors["context_ids"].reshape(-1).tolist(),
-        tensors["token_ids"].reshape(-1).tolist(),
-        rule,
-        final=final,
-        stopped_by=string_value(tensors, "stop_reason") or None,
-    )
+    if config.get("parsed"):  # a3b_llm's parser already split reasoning, answer and tool calls
+        text = string_value(tensors, "content_text")
+    else:
+        text = text_delta(
+            tokenizer,
+            tensors["context_ids"].reshape(-1).tolist(),
+            tensors["token_ids"].reshape(-1).tolist(),
+            rule,
+            final=final,
+            stopped_by=string_value(tensors, "stop_reason") or None,
+        )
     if final and config.get("echo"):
         text = config["echo"] + text
     cumulative = _float(tensors, "cumulative_logprob")
@@ -52,6 +57,8 @@ def step_outputs(tensors: Mapping[str, np.ndarray], tokenizer: Any) -> dict[str,
         "num_output_tokens": tensors["num_output_tokens"].reshape(1).astype(np.uint32),
         "cum_log_probs": np.array([cumulative], dtype=np.float32),
         "output_log_probs": token_logprobs,
+        "reasoning_output": string_tensor(string_value(tensors, "reasoning_text")),
+        "tool_calls": string_tensor(string_value(tensors, "tool_calls")),
     }
     asked = {name for flag, names in OUTPUTS_BY_FLAG.items() if config.get("returns", {}).get(flag) for name in names}
     return {name: value for name, value in outputs.items() if name == "text_output" or name in asked}

@@ -17,6 +17,7 @@ class Prepared:
     sampling_json: str
     stream: bool
     postprocess_config: str
+    parser_config: str = ""
 
 
 def rendered_prompt(tokenizer: Any, request: GenerationRequest) -> str:
@@ -40,8 +41,23 @@ def rendered_prompt(tokenizer: Any, request: GenerationRequest) -> str:
         raise RequestError(f"the model's chat template refused input '{source}': {exc}") from None
 
 
-def postprocess_config(request: GenerationRequest, prompt: str) -> dict[str, Any]:
+def parser_config(request: GenerationRequest, limits: Limits) -> dict[str, Any] | None:
+    """What a3b_llm's per-request parser needs, when reasoning or tool calls are asked for."""
+    wants_reasoning, wants_tools = request.returns["return_reasoning"], request.returns["return_tool_calls"]
+    if not (wants_reasoning or wants_tools):
+        return None
+    for flag, wanted, parser in (("return_reasoning", wants_reasoning, limits.reasoning_parser),
+                                 ("return_tool_calls", wants_tools, limits.tool_parser)):
+        if wanted and parser is None:
+            raise RequestError(f"input '{flag}' is true but the served profile has no "
+                               f"{'reasoning' if flag == 'return_reasoning' else 'tool-call'} parser")
+    return {"reasoning_parser": limits.reasoning_parser, "tool_parser": limits.tool_parser if wants_tools else None,
+            "tools": request.tools, "chat_template_kwargs": request.chat_template_kwargs}
+
+
+def postprocess_config(request: GenerationRequest, prompt: str, parsed: bool) -> dict[str, Any]:
     return {
+        "parsed": parsed,
         "echo": prompt if request.echo_prompt else "",
         **{k: request.sampling[k] for k in ("stop", "include_stop_str_in_output", "skip_special_tokens")
            if k in request.sampling},
@@ -59,13 +75,15 @@ def prepare(tensors: Mapping[str, np.ndarray], tokenizer: Any, limits: Limits) -
     # A template's text carries its special tokens; a plain prompt gets the tokenizer's own.
     ids = list(tokenizer.encode(prompt, add_special_tokens=not templated))
     sampling = finalize_sampling(request.sampling, len(ids), limits, source)
+    parsing = parser_config(request, limits)
+    # echoed as the client sent it: text_input as is, messages as rendered
+    echo = request.prompt if request.messages is None else prompt
     return Prepared(
         input_ids=ids,
         sampling_json=json.dumps(sampling),
         stream=request.stream,
-        # echoed as the client sent it: text_input as is, messages as rendered
-        postprocess_config=json.dumps(postprocess_config(request, request.prompt if request.messages is None
-                                                          else prompt)),
+        postprocess_config=json.dumps(postprocess_config(request, echo, parsing is not None)),
+        parser_config=json.dumps(parsing) if parsing else "",
     )
 
 
@@ -75,4 +93,5 @@ def prepared_arrays(prepared: Prepared) -> dict[str, np.ndarray]:
         "sampling_parameters": string_tensor(prepared.sampling_json),
         "stream": np.array([prepared.stream], dtype=bool),
         "postprocess_config": string_tensor(prepared.postprocess_config),
+        "parser_config": string_tensor(prepared.parser_config),
     }

@@ -81,6 +81,9 @@ class Profile:
     enforce_eager: bool = False
     quantization: str | None = None
     distributed_executor_backend: str | None = None
+    # vLLM's parsers for return_reasoning / return_tool_calls (None: refused)
+    reasoning_parser: str | None = None
+    tool_parser: str | None = None
     cpu_kv_cache_gib: int = 2
     trust_remote_code: bool = False
     # Request limits enforced before anything reaches the engine. Past
@@ -134,7 +137,7 @@ QWEN36_CONTEXT = 262144
 # writes, 128K context, fp8 KV cache.
 QWEN36_SERVING = dict(model_dir="models/qwen3.6-35b-a3b-a3b", max_model_len=131072, default_max_tokens=2048,
                       model_context_limit=QWEN36_CONTEXT, kv_cache_dtype="fp8", max_num_seqs=64,
-                      gpu_memory_utilization=0.92)
+                      gpu_memory_utilization=0.92, reasoning_parser="qwen3", tool_parser="qwen3_coder")
 
 _SINGLE_NODE = (
     Profile(
@@ -217,4 +220,6 @@ def request_limits(profile: Profile):
         default_max_tokens=profile.default_max_tokens,
         max_stop_words=profile.max_stop_words,
         max_stop_word_chars=profile.max_stop_word_chars,
+        reasoning_parser=profile.reasoning_parser,
+        tool_parser=profile.tool_parser,
     )

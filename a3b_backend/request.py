@@ -84,6 +84,8 @@ RETURN_FLAGS = (
     "return_num_input_tokens",
     "return_num_output_tokens",
     "return_log_probs",
+    "return_reasoning",
+    "return_tool_calls",
 )
 
 
@@ -364,6 +366,9 @@ class Limits:
     max_stop_words: int = 16
     max_stop_word_chars: int = 256
     vocab_size: int | None = None
+    # what the profile can parse out of an answer (vLLM parser names)
+    reasoning_parser: str | None = None
+    tool_parser: str | None = None
 
     @property
     def max_prompt_bytes(self) -> int:

@@ -16,6 +16,8 @@ def step(tokenizer, context, new, finish="", stop_reason="", echo="", stop=()):
         "logprobs": np.array([b""], object), "num_input_tokens": np.array([7], np.uint32),
         "num_output_tokens": np.array([len(context) + len(new)], np.uint32),
         "postprocess_config": np.array([json.dumps(config).encode()], object),
+        "reasoning_text": np.array([b""], object), "content_text": np.array([b""], object),
+        "tool_calls": np.array([b""], object),
     }
 
 

@@ -170,3 +170,32 @@ def test_chat_template_kwargs_reach_the_template(qwen_server, form):
             assert texts(responses)[0].startswith(rendered)
         seen[bool(kwargs)] = rendered
     assert seen[False].endswith("<think>\n") and seen[True].endswith("<think>\n\n</think>\n\n")
+
+
+def test_reasoning_and_tool_calls_come_apart(qwen_server):
+    """Mechanics only (random weights): the think block the template opens is parsed out."""
+    chat = json.dumps([{"role": "user", "content": PROMPTS[0]}])
+    base = {"messages": chat, "exclude_input_in_output": True, "sampling_parameters": json.dumps(GREEDY)}
+    plain, error = stream_infer(qwen_server.grpc_url, "ensemble", base)
+    assert error is None and "reasoning_output" not in plain[0]
+    unparsed = texts(plain)[0]
+    results = {}
+    for stream in (True, False):
+        responses, error = stream_infer(qwen_server.grpc_url, "ensemble", dict(
+            base, stream=stream, return_reasoning=True, return_tool_calls=True))
+        assert error is None, error
+        reasoning = "".join(r["reasoning_output"].reshape(-1)[0].decode() for r in responses)
+        calls = json.loads(responses[-1]["tool_calls"].reshape(-1)[0].decode())
+        results[stream] = (reasoning, "".join(texts(responses)), calls)
+    assert results[True] == results[False]
+    reasoning, answer, calls = results[True]
+    assert isinstance(calls, list)
+    # the parser drops only the markers (special tokens, not in the unparsed text either) and the
+    # answer's surrounding whitespace: the pieces still make up the unparsed text
+    assert unparsed.startswith(reasoning) and answer.strip() in unparsed[len(reasoning):]
+    assert reasoning  # generation starts inside the think block the template opened
+
+
+def test_parsed_outputs_are_refused_where_the_profile_has_no_parser(server):
+    responses, error = stream_infer(server.grpc_url, "ensemble", {"text_input": "hi", "return_tool_calls": True})
+    assert error is not None and "'return_tool_calls' is true but the served profile has no tool-call parser" in error
