@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 MODEL_DIR ?= models/smollm2-135m-instruct
 QWEN_TINY_DIR := models/qwen3.6-tiny
 
-.PHONY: setup model model-qwen serve test test-unit render perf-tools need-venv perf perf-inputs genai-perf locust bench-overload bench-overhead bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu kv-report quality clean
+.PHONY: setup model model-qwen serve test test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust bench-overload bench-overhead bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu kv-report quality clean
 
 setup:
 	bash scripts/setup.sh
@@ -63,6 +63,11 @@ genai-perf: need-venv perf-tools
 	    --tokenizer $(MODEL_DIR) -u $(PERF_URL) --synthetic-input-tokens-mean 64 --output-tokens-mean 16 \
 	    --concurrency 2 --request-count 10 --artifact-dir perf/results/genai-perf/$$backend || exit 1; \
 	done
+
+# AIPerf (HTTP generate_stream, its template endpoint) beside genai-perf (gRPC), same load: perf/results/aiperf/
+AIPERF_URL ?= http://localhost:8000
+aiperf: need-venv perf-tools
+	$(PY) perf/aiperf.py --http-url $(AIPERF_URL) --grpc-url $(PERF_URL) --tokenizer $(MODEL_DIR)
 
 # locust against the HTTP generate endpoints (headless; drop --headless for its web UI)
 LOCUST_HOST ?= http://localhost:8000

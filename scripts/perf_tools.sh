@@ -5,6 +5,7 @@
 #                tritonclient[all]==2.50.0; later wheels need glibc 2.38) with
 #                its libb64 and libcudart needs
 #   .venv-genai  genai-perf 0.0.16 (driving that same perf_analyzer) and locust
+#   .venv-aiperf AIPerf 0.13 (genai-perf's successor; its own HTTP client, pins of its own)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${PERF_VENV:-.venv-perf}
@@ -26,5 +27,9 @@ GENAI=${GENAI_VENV:-.venv-genai}
 echo "==> creating $GENAI with genai-perf"
 "$PYTHON" -m venv "$GENAI"
 "$GENAI/bin/python" -m pip install -q --disable-pip-version-check "genai-perf==0.0.16" "locust==2.47.0"
+AIPERF=${AIPERF_VENV:-.venv-aiperf}
+echo "==> creating $AIPERF with aiperf"
+"$PYTHON" -m venv "$AIPERF"
+"$AIPERF/bin/python" -m pip install -q --disable-pip-version-check "aiperf==0.13.0"
 echo "$want" > "$STAMP"
-echo "==> ready: scripts/perf_analyzer.sh --help, scripts/genai_perf.sh --help, $GENAI/bin/locust"
+echo "==> ready: scripts/perf_analyzer.sh --help, scripts/genai_perf.sh --help, $GENAI/bin/locust, $AIPERF/bin/aiperf"

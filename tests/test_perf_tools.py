@@ -206,3 +206,29 @@ def test_gpu_kernel_benchmark_smoke_run_passes_every_code_path(tmp_path):
     assert md.count("| yes |") == 6 and "| NO |" not in md  # matmul x3, MoE, KV write, attention
     for variant in ("bf16 cuBLAS", "torch int4", "A3B Triton", "fp16 SDPA"):
         assert f"| {variant} |" in md
+
+
+def test_aiperf_template_renders_the_generate_stream_body():
+    """AIPerf renders perf/inputs/aiperf_generate_stream.jinja with autoescaping on: the body
+    must stay valid JSON for any prompt and carry the sampling parameters as a JSON string."""
+    import jinja2
+
+    template = (ROOT / "perf" / "inputs" / "aiperf_generate_stream.jinja").read_text()
+    prompt = 'She said "<b>hi</b>" & left\n北京 🎉'
+    body = json.loads(jinja2.Environment(autoescape=True).from_string(template).render(text=prompt, max_tokens=24))
+    assert body["text_input"] == prompt and body["stream"] is True and body["exclude_input_in_output"] is True
+    assert json.loads(body["sampling_parameters"]) == {"max_tokens": 24, "ignore_eos": True}
+
+
+def test_aiperf_report_sets_the_tools_side_by_side(tmp_path):
+    sys.path.insert(0, str(ROOT / "perf"))
+    import aiperf as bench
+
+    summary = {key: {"unit": "ms", "avg": 100.0 * i, "p50": 90.0 * i, "p99": 150.0 * i}
+               for i, (key, _) in enumerate(bench.METRICS, 1)}
+    rows = bench.comparison({"genai-perf": summary, "AIPerf": summary})
+    args = bench.argparse.Namespace(isl=64, osl=16, concurrency=2, requests=10, tokenizer=tmp_path, http_url="h",
+                                    grpc_url="g", out=tmp_path)
+    report = bench.write_report(tmp_path, rows, args, ["genai-perf", "AIPerf"]).read_text()
+    assert "| TTFT p50 (ms) | 90.0 | 90.0 |" in report and "| ITL p99 (ms) | 300.0 | 300.0 |" in report
+    assert (tmp_path / "aiperf_vs_genai_perf.png").stat().st_size > 10_000
