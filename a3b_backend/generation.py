@@ -47,16 +47,6 @@ class LlmRequest:
     stream: bool
     parser_config: dict[str, Any] | None = None
 
-    def parser(self, tokenizer: Any) -> ChatParser | None:
-        """This request's reasoning / tool-call parser (parsing.py says why it lives in a3b_llm)."""
-        if self.parser_config is None:
-            return None
-        if tokenizer is None:
-            raise RequestError("input 'parser_config' asks for parsing but the served profile has no parsers")
-        config = self.parser_config
-        return ChatParser(parser_class(config.get("reasoning_parser"), config.get("tool_parser"), tokenizer),
-                          tokenizer, self.prompt_ids, config.get("tools"), config.get("chat_template_kwargs") or {})
-
     @property
     def decode_rule(self) -> DecodeRule:
         return DecodeRule.from_params(self.sampling)
@@ -90,11 +80,25 @@ def parse_llm_request(tensors: dict[str, np.ndarray], limits: Limits) -> LlmRequ
                       parser_config=parser_config)
 
 
-class StepTracker:
-    """Follows one request's outputs (DELTA when streaming, FINAL_ONLY otherwise)."""
+def _parser_for(request: LlmRequest, tokenizer: Any) -> ChatParser | None:
+    """The request's reasoning / tool-call parser (parsing.py says why it lives in a3b_llm)."""
+    config = request.parser_config
+    if config is None:
+        return None
+    if tokenizer is None:
+        raise RequestError("input 'parser_config' asks for parsing but the served profile has no parsers")
+    return ChatParser(parser_class(config.get("reasoning_parser"), config.get("tool_parser"), tokenizer),
+                      tokenizer, request.prompt_ids, config.get("tools"), config.get("chat_template_kwargs") or {})
 
-    def __init__(self, request: LlmRequest, parser: ChatParser | None = None):
-        self._parser = parser
+
+class StepTracker:
+    """Follows one request's outputs (DELTA when streaming, FINAL_ONLY otherwise),
+    parsing reasoning and tool calls out of them when the request asks for it.
+    Built before the request is submitted, so a bad parser request is refused at once."""
+
+    def __init__(self, request: LlmRequest, tokenizer: Any = None):
+        self.request = request
+        self._parser = _parser_for(request, tokenizer)
         self._context_tokens = request.decode_rule.context_tokens
         self._want_logprobs = request.sampling.get("logprobs") is not None
         self._generated: list[int] = []
@@ -158,8 +162,15 @@ def step_arrays(step: Step, per_request: dict[str, np.ndarray]) -> dict[str, np.
         "logprobs": string_tensor(step.logprobs_json),
         "num_input_tokens": np.array([step.num_input_tokens], dtype=np.uint32),
         "num_output_tokens": np.array([step.num_output_tokens], dtype=np.uint32),
-        "reasoning_text": string_tensor(step.parsed.reasoning if step.parsed else ""),
-        "content_text": string_tensor(step.parsed.content if step.parsed else ""),
-        "tool_calls": string_tensor(tool_calls_json(step.parsed.tool_calls) if step.parsed else ""),
+        **(_parsed_arrays(step.parsed) if step.parsed else _NOT_PARSED),
         **per_request,
     }
+
+
+def _parsed_arrays(parsed: ParsedStep) -> dict[str, np.ndarray]:
+    return {"reasoning_text": string_tensor(parsed.reasoning), "content_text": string_tensor(parsed.content),
+            "tool_calls": string_tensor(tool_calls_json(parsed.tool_calls))}
+
+
+# Every step carries the parser's outputs (the ensemble maps them); unparsed ones share these.
+_NOT_PARSED = _parsed_arrays(ParsedStep())

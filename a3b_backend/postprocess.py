@@ -11,6 +11,8 @@ from a3b_backend.detokenize import DecodeRule, text_delta
 from a3b_backend.triton_io import string_tensor, string_value
 
 
+# Asked for, they make a3b_llm parse the answer (preprocess.parser_config).
+PARSED_OUTPUT_FLAGS = ("return_reasoning", "return_tool_calls")
 # Like vllm_backend, an output is sent only when its flag asks for it.
 OUTPUTS_BY_FLAG = {
     "return_finish_reason": ("finish_reason",),
@@ -33,7 +35,9 @@ def step_outputs(tensors: Mapping[str, np.ndarray], tokenizer: Any) -> dict[str,
     rule = DecodeRule.from_params(config)
     finish_reason = string_value(tensors, "finish_reason")
     final = bool(finish_reason)
-    if config.get("parsed"):  # a3b_llm's parser already split reasoning, answer and tool calls
+    returns = config.get("returns", {})
+    parsed = any(returns.get(flag) for flag in PARSED_OUTPUT_FLAGS)
+    if parsed:  # a3b_llm's parser already split reasoning, answer and tool calls
         text = string_value(tensors, "content_text")
     else:
         text = text_delta(
@@ -57,8 +61,8 @@ def step_outputs(tensors: Mapping[str, np.ndarray], tokenizer: Any) -> dict[str,
         "num_output_tokens": tensors["num_output_tokens"].reshape(1).astype(np.uint32),
         "cum_log_probs": np.array([cumulative], dtype=np.float32),
         "output_log_probs": token_logprobs,
-        "reasoning_output": string_tensor(string_value(tensors, "reasoning_text")),
-        "tool_calls": string_tensor(string_value(tensors, "tool_calls")),
     }
-    asked = {name for flag, names in OUTPUTS_BY_FLAG.items() if config.get("returns", {}).get(flag) for name in names}
+    if parsed:  # passed on as a3b_llm sent them (STRING tensors)
+        outputs.update(reasoning_output=tensors["reasoning_text"], tool_calls=tensors["tool_calls"])
+    asked = {name for flag, names in OUTPUTS_BY_FLAG.items() if returns.get(flag) for name in names}
     return {name: value for name, value in outputs.items() if name == "text_output" or name in asked}

@@ -55,9 +55,8 @@ def parser_config(request: GenerationRequest, limits: Limits) -> dict[str, Any] 
             "tools": request.tools, "chat_template_kwargs": request.chat_template_kwargs}
 
 
-def postprocess_config(request: GenerationRequest, prompt: str, parsed: bool) -> dict[str, Any]:
+def postprocess_config(request: GenerationRequest, prompt: str) -> dict[str, Any]:
     return {
-        "parsed": parsed,
         "echo": prompt if request.echo_prompt else "",
         **{k: request.sampling[k] for k in ("stop", "include_stop_str_in_output", "skip_special_tokens")
            if k in request.sampling},
@@ -68,7 +67,6 @@ def postprocess_config(request: GenerationRequest, prompt: str, parsed: bool) ->
 def prepare(tensors: Mapping[str, np.ndarray], tokenizer: Any, limits: Limits) -> Prepared:
     request = parse_request(tensors)
     source = "messages" if request.messages is not None else "text_input"
-    check_prompt_size(request.prompt, limits)
     prompt = rendered_prompt(tokenizer, request)
     check_prompt_size(prompt, limits, source)
     templated = request.messages is not None or request.apply_chat_template
@@ -82,7 +80,7 @@ def prepare(tensors: Mapping[str, np.ndarray], tokenizer: Any, limits: Limits) -
         input_ids=ids,
         sampling_json=json.dumps(sampling),
         stream=request.stream,
-        postprocess_config=json.dumps(postprocess_config(request, echo, parsing is not None)),
+        postprocess_config=json.dumps(postprocess_config(request, echo)),
         parser_config=json.dumps(parsing) if parsing else "",
     )
 

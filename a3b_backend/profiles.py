@@ -94,6 +94,11 @@ class Profile:
     max_stop_word_chars: int = 256
     perf: PerfPlan = GPU_PERF
 
+    @property
+    def parses_output(self) -> bool:
+        """Whether reasoning or tool calls can be parsed out of answers (return_reasoning / return_tool_calls)."""
+        return self.reasoning_parser is not None or self.tool_parser is not None
+
     def resolve_model_dir(self, project_root: Path) -> Path:
         override = os.environ.get(MODEL_DIR_ENV)
         path = Path(override or self.model_dir)

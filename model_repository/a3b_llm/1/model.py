@@ -12,10 +12,8 @@ from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 
 from a3b_backend import contract, drain  # noqa: E402
 from a3b_backend.engine import EngineHost  # noqa: E402
-from a3b_backend.generation import (LlmRequest, StepTracker, parse_llm_request, request_arrays,  # noqa: E402
-                                    step_arrays)
+from a3b_backend.generation import StepTracker, parse_llm_request, request_arrays, step_arrays  # noqa: E402
 from a3b_backend.metrics import TritonMetrics  # noqa: E402
-from a3b_backend.parsing import ChatParser  # noqa: E402
 from a3b_backend.profiles import get_profile, request_limits  # noqa: E402
 from a3b_backend.triton_io import RequestError, string_value  # noqa: E402
 
@@ -38,7 +36,7 @@ class TritonPythonModel:
         vocab_size = self.host.engine.model_config.get_vocab_size()
         self.limits = dataclasses.replace(request_limits(profile), vocab_size=vocab_size)
         # for the reasoning / tool-call parsers, which run here (a3b_backend/parsing.py)
-        self.tokenizer = triton_io.load_tokenizer(args) if profile.reasoning_parser or profile.tool_parser else None
+        self.tokenizer = triton_io.load_tokenizer(args) if profile.parses_output else None
 
     def execute(self, requests):
         for request in requests:
@@ -54,21 +52,18 @@ class TritonPythonModel:
                     self.metrics.rejected()
                     sender.send(triton_io.unavailable_response(pb_utils, refusal), flags=FINAL)
                     continue
-                llm_request = parse_llm_request(tensors, self.limits)
-                parser = llm_request.parser(self.tokenizer)
+                tracker = StepTracker(parse_llm_request(tensors, self.limits), self.tokenizer)
             except RequestError as exc:
                 sender.send(triton_io.error_response(pb_utils, str(exc)), flags=FINAL)
                 continue
             request_id = uuid.uuid4().hex
             self.host.submit(
-                request_id, self._serve(request_id, sender, llm_request, parser,
-                                        string_value(tensors, contract.POSTPROCESS_CONFIG))
+                request_id, self._serve(request_id, sender, tracker, string_value(tensors, contract.POSTPROCESS_CONFIG))
             )
         return None
 
-    async def _serve(self, request_id: str, sender, llm_request: LlmRequest, parser: ChatParser | None,
-                     postprocess_config: str):
-        tracker = StepTracker(llm_request, parser)
+    async def _serve(self, request_id: str, sender, tracker: StepTracker, postprocess_config: str):
+        llm_request = tracker.request
         per_request = request_arrays(postprocess_config, request_id)
         sent_final = False
         try:
