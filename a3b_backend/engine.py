@@ -90,11 +90,12 @@ class EngineHost:
         self._in_flight.pop(request_id, None)
         self._on_in_flight(len(self._in_flight))
 
-    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params) -> AsyncIterator[Any]:
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params,
+                       lora_request=None) -> AsyncIterator[Any]:
         from vllm.inputs import TokensPrompt
 
         async for output in self.engine.generate(
-            TokensPrompt(prompt_token_ids=prompt_ids), sampling_params, request_id
+            TokensPrompt(prompt_token_ids=prompt_ids), sampling_params, request_id, lora_request=lora_request
         ):
             yield output
 

@@ -18,8 +18,9 @@ from a3b_backend.parsing import ChatParser, ParsedStep, parser_class, tool_calls
 from a3b_backend.request import Limits, check_token_ids, finalize_sampling, parse_sampling_json
 from a3b_backend.triton_io import RequestError, string_tensor, string_value
 
-# Validated for clear errors, but not SamplingParams fields in vLLM 0.32.
-_NOT_ENGINE_FIELDS = ("best_of", "use_beam_search")
+# Validated for clear errors, but not SamplingParams fields in vLLM 0.32
+# (lora_name becomes the request's LoRARequest).
+_NOT_ENGINE_FIELDS = ("best_of", "use_beam_search", "lora_name")
 
 
 @dataclasses.dataclass
@@ -46,6 +47,10 @@ class LlmRequest:
     sampling: dict[str, Any]
     stream: bool
     parser_config: dict[str, Any] | None = None
+
+    @property
+    def lora_name(self) -> str | None:
+        return self.sampling.get("lora_name")
 
     @property
     def decode_rule(self) -> DecodeRule:

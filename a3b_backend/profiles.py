@@ -84,6 +84,10 @@ class Profile:
     # vLLM's parsers for return_reasoning / return_tool_calls (None: refused)
     reasoning_parser: str | None = None
     tool_parser: str | None = None
+    # LoRA limits, used when the repository enables adapters (a3b_backend/lora.py):
+    # the largest adapter rank and the adapters one batch may mix.
+    max_lora_rank: int = 16
+    max_loras: int = 4
     cpu_kv_cache_gib: int = 2
     trust_remote_code: bool = False
     # Request limits enforced before anything reaches the engine. Past
@@ -109,7 +113,7 @@ class Profile:
         default reserves 90% of RAM and refuses to start beside another engine)."""
         return {"VLLM_CPU_KVCACHE_SPACE": str(self.cpu_kv_cache_gib)}
 
-    def engine_args(self, project_root: Path) -> dict[str, Any]:
+    def engine_args(self, project_root: Path, enable_lora: bool = False) -> dict[str, Any]:
         """Keyword arguments for vLLM's AsyncEngineArgs."""
         args: dict[str, Any] = dict(
             model=str(self.resolve_model_dir(project_root)),
@@ -133,6 +137,8 @@ class Profile:
             distributed_executor_backend=self.distributed_executor_backend,
         )
         args.update({k: v for k, v in optional.items() if v is not None})
+        if enable_lora:
+            args.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=self.max_loras)
         return args
 
 

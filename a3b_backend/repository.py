@@ -5,6 +5,12 @@ the four models never disagree. Engine settings are not in the configs: every
 model reads them from `profiles.py` at load time, chosen by $A3B_PROFILE.
 
     a3b-render [--repository model_repository] [--check]
+    a3b-render --lora NAME=DIR [--lora NAME=DIR ...]   # serve LoRA adapters
+    a3b-render --no-lora                               # stop serving them
+
+LoRA adapters are listed vllm_backend's way (a3b_backend/lora.py) in the
+version directories of the LLM model and of `ensemble`; the configs do not
+change.
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
-from a3b_backend import contract
+from a3b_backend import contract, lora
 from a3b_backend.contract import Tensor
 
 HEADER = "# Rendered by `a3b-render` from a3b_backend/contract.py; do not edit by hand.\n"
@@ -80,11 +86,38 @@ def render() -> dict[str, str]:
     }
 
 
+# Where LoRA names are listed: the model that serves them and the one clients address.
+LORA_MODELS = (contract.LLM_MODEL, "ensemble")
+
+
+def lora_entry(text: str) -> tuple[str, Path]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=DIR")
+    if not Path(path).is_dir():
+        raise argparse.ArgumentTypeError(f"adapter directory {path} of {name!r} does not exist")
+    return name, Path(path)
+
+
+def write_lora(repository: Path, adapters: dict[str, Path]) -> None:
+    for model in LORA_MODELS:
+        for path in lora.write_config(repository / model / "1", adapters):
+            print(f"wrote {path}")
+    if not adapters:
+        print(f"LoRA off: removed {lora.MODEL_JSON} / {lora.MULTI_LORA_JSON} under {repository}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repository", type=Path, default=Path(__file__).resolve().parent.parent / "model_repository")
     parser.add_argument("--check", action="store_true", help="fail if a committed config differs from the rendered one")
+    lora_group = parser.add_mutually_exclusive_group()
+    lora_group.add_argument("--lora", type=lora_entry, action="append", metavar="NAME=DIR",
+                            help="serve this PEFT adapter under NAME (repeat for more)")
+    lora_group.add_argument("--no-lora", action="store_true", help="serve no LoRA adapters")
     args = parser.parse_args(argv)
+    if args.lora or args.no_lora:
+        write_lora(args.repository, dict(args.lora or []))
     stale = []
     for model, text in render().items():
         path = args.repository / model / "config.pbtxt"

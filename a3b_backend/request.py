@@ -20,7 +20,7 @@ from a3b_backend.triton_io import RequestError, decode_utf8, scalar, string_valu
 # Parameter table: name -> (kind, check, allowed-range text). `kind` coerces the
 # value (vllm_backend lets sampling_parameters carry numbers as strings).
 Check = Callable[[Any], bool]
-ParamKind = Literal["float", "int", "bool", "str_list", "int_list", "structured"]
+ParamKind = Literal["float", "int", "bool", "str", "str_list", "int_list", "structured"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +59,8 @@ SAMPLING_PARAMS: dict[str, Param] = {
                                 "an object with one of json, regex, choice, grammar, json_object"),
     # The name older vLLM releases (and the Triton OpenAI frontend built on them) send.
     "guided_decoding": Param("structured", lambda v: True, "the same as structured_outputs"),
+    # checked against the served adapters by a3b_llm (a3b_backend/lora.py)
+    "lora_name": Param("str", lambda v: bool(v), "the name of a served LoRA adapter"),
 }
 
 # TensorRT-LLM ensemble tensors that map straight onto a sampling parameter.
@@ -161,6 +163,10 @@ def _coerce(kind: ParamKind, value: Any, name: str) -> Any:
             if isinstance(value, (bool, np.bool_)):
                 raise TypeError
             return float(value.strip() if isinstance(value, str) else value)
+        if kind == "str":
+            if isinstance(value, str):
+                return value
+            raise TypeError
         if kind == "str_list":
             if isinstance(value, str):
                 return [value]
@@ -182,6 +188,7 @@ _KIND_TEXT = {
     "bool": "a boolean",
     "int": "an integer",
     "float": "a number",
+    "str": "a string",
     "str_list": "a string or list of strings",
     "int_list": "a list of integers",
     "structured": "an object",

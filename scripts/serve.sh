@@ -7,6 +7,8 @@
 #     to finish while new ones are refused ("server shutting down")
 #   A3B_ADMIN_KEY: when set, Triton's admin APIs (model repository, shared
 #     memory, trace, logging, config, statistics) need the header admin-key.
+#   A3B_MODEL_REPOSITORY (model_repository): another copy of it, e.g. one
+#     rendered with LoRA adapters (a3b-render --repository DIR --lora ...)
 #   A3B_TRITONSERVER: the server binary (scripts/tritonserver.sh, the
 #     pip-installed one; the GPU image sets its own)
 # Extra arguments go to tritonserver. A second Ctrl-C skips the drain.
@@ -59,7 +61,7 @@ stop() {
 }
 
 setsid "${A3B_TRITONSERVER:-$ROOT/scripts/tritonserver.sh}" \
-  --model-repository "$ROOT/model_repository" \
+  --model-repository "${A3B_MODEL_REPOSITORY:-$ROOT/model_repository}" \
   --http-address "$HOST" --http-port "${A3B_HTTP_PORT:-8000}" \
   --grpc-address "$HOST" --grpc-port "${A3B_GRPC_PORT:-8001}" \
   --metrics-address "$HOST" --metrics-port "$METRICS_PORT" \

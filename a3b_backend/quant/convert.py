@@ -14,7 +14,9 @@ read and written shard by shard, so memory holds one shard, not the model.
 With --calibration-text the source model is run once over that text (this
 needs it in memory) for activation statistics: importance-weighted fits for
 every layer, AWQ scales (alpha searched per layer group) where they fold into
-an RMSNorm.
+an RMSNorm. Folding divides those layers' inputs by the scale, so the scales
+are kept (`INPUT_SCALES_FILE`, per linear): a LoRA adapter trained on the
+source model reads them to see the inputs it was trained on (a3b_backend/lora.py).
 
 The result is written to DST_DIR.partial and renamed to DST_DIR only when
 complete, so a failed run never leaves a checkpoint that looks whole.
@@ -42,6 +44,8 @@ KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5
 STACKED_EXPERTS = re.compile(r"\.layers\.\d+\..*experts\.(gate_up_proj|gate_proj|up_proj|down_proj)$")
 # Qwen3.5/3.6 (and Qwen3-Next) RMSNorms are zero-centred: they scale by (1 + w).
 ZERO_CENTRED_NORMS = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text", "qwen3_next")
+# Outside the top level, where vLLM loads every *.safetensors file as weights.
+INPUT_SCALES_FILE = "a3b/input_scales.safetensors"
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                 "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
 
@@ -178,6 +182,11 @@ def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | No
             "quantized_layers": calibrate.QUANTIZED.pattern,
         }
         (partial / "config.json").write_text(json.dumps(model_config, indent=2))
+        input_scales = {module: scale for module, (_, scale) in calibration.items() if scale is not None}
+        if input_scales:
+            (partial / INPUT_SCALES_FILE).parent.mkdir()
+            # clones: the linears of one norm share its scale, and safetensors refuses shared storage
+            save_file({m: s.clone() for m, s in input_scales.items()}, partial / INPUT_SCALES_FILE)
         for fname in COPIED_FILES:
             if (src / fname).exists():
                 shutil.copy2(src / fname, partial / fname)

@@ -5,12 +5,14 @@ triton_io.use_utf8_locale()
 
 import asyncio  # noqa: E402
 import dataclasses  # noqa: E402
+import tempfile  # noqa: E402
 import uuid  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 
-from a3b_backend import contract, drain  # noqa: E402
+from a3b_backend import contract, drain, lora  # noqa: E402
 from a3b_backend.engine import EngineHost  # noqa: E402
 from a3b_backend.generation import StepTracker, parse_llm_request, request_arrays, step_arrays  # noqa: E402
 from a3b_backend.metrics import TritonMetrics  # noqa: E402
@@ -24,10 +26,15 @@ INPUT_NAMES = contract.names(contract.LLM_INPUTS)
 class TritonPythonModel:
     def initialize(self, args):
         profile = get_profile()
+        root = triton_io.project_root(args)
         self.max_in_flight = profile.max_in_flight
         self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
+        listed = lora.read_config(Path(args["model_repository"]) / args["model_version"], root)
+        self.lora_work_dir = tempfile.TemporaryDirectory(prefix="a3b-lora-")
+        self.adapters = lora.Adapters.prepare(listed, profile.resolve_model_dir(root), Path(self.lora_work_dir.name),
+                                              profile.max_lora_rank)
         self.host = EngineHost(
-            profile.engine_args(triton_io.project_root(args)),
+            profile.engine_args(root, enable_lora=bool(listed)),
             env=profile.engine_env(),
             stat_loggers=[self.metrics.stat_logger_factory()],
             on_state=self.metrics.engine_state,
@@ -53,21 +60,24 @@ class TritonPythonModel:
                     sender.send(triton_io.unavailable_response(pb_utils, refusal), flags=FINAL)
                     continue
                 tracker = StepTracker(parse_llm_request(tensors, self.limits), self.tokenizer)
+                lora_request = self.adapters.request(tracker.request.lora_name)
             except RequestError as exc:
                 sender.send(triton_io.error_response(pb_utils, str(exc)), flags=FINAL)
                 continue
             request_id = uuid.uuid4().hex
             self.host.submit(
-                request_id, self._serve(request_id, sender, tracker, string_value(tensors, contract.POSTPROCESS_CONFIG))
+                request_id, self._serve(request_id, sender, tracker, lora_request,
+                                        string_value(tensors, contract.POSTPROCESS_CONFIG))
             )
         return None
 
-    async def _serve(self, request_id: str, sender, tracker: StepTracker, postprocess_config: str):
+    async def _serve(self, request_id: str, sender, tracker: StepTracker, lora_request, postprocess_config: str):
         llm_request = tracker.request
         per_request = request_arrays(postprocess_config, request_id)
         sent_final = False
         try:
-            async for output in self.host.generate(request_id, llm_request.prompt_ids, llm_request.sampling_params()):
+            async for output in self.host.generate(request_id, llm_request.prompt_ids, llm_request.sampling_params(),
+                                                   lora_request):
                 if sender.is_cancelled():
                     await self.host.abort(request_id)
                     break
@@ -97,3 +107,4 @@ class TritonPythonModel:
     def finalize(self):
         self.host.shutdown()
         self.metrics.release()
+        self.lora_work_dir.cleanup()

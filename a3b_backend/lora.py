@@ -1,0 +1,131 @@
+"""Multi-LoRA as vllm_backend does it: `model.json` with `enable_lora` and
+`multi_lora.json` (adapter name -> PEFT adapter directory) in a model's version
+directory; a request picks one with `sampling_parameters.lora_name`.
+
+`a3b-render --lora NAME=DIR` writes both files for `a3b_llm` (which serves the
+adapters) and `ensemble` (where Triton's OpenAI frontend looks up LoRA names).
+
+A calibrated A3B checkpoint has AWQ scales folded into its RMSNorms, so the
+q/k/v and gate/up projections read their input divided by a per-channel scale.
+An adapter trained on the source model expects the undivided input; its A
+matrices are multiplied by the same scales (A s . x/s = A x) into a copy the
+engine loads, so adapters work unchanged on the quantized model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from a3b_backend.quant.convert import INPUT_SCALES_FILE
+from a3b_backend.triton_io import RequestError
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
+
+MODEL_JSON = "model.json"
+MULTI_LORA_JSON = "multi_lora.json"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# PEFT names an adapter tensor base_model.model.<module>.lora_A.weight
+PEFT_PREFIX, LORA_A_SUFFIX = "base_model.model.", ".lora_A.weight"
+
+
+class AdapterError(ValueError):
+    """A listed adapter cannot be served (missing, wrong format, over the profile's limits)."""
+
+
+def write_config(version_dir: Path, adapters: dict[str, Path]) -> list[Path]:
+    """model.json + multi_lora.json enabling these adapters (absolute paths); none: both removed."""
+    files = [version_dir / MODEL_JSON, version_dir / MULTI_LORA_JSON]
+    if not adapters:
+        for path in files:
+            path.unlink(missing_ok=True)
+        return []
+    version_dir.mkdir(parents=True, exist_ok=True)
+    files[0].write_text(json.dumps({"enable_lora": "true"}, indent=1) + "\n")
+    files[1].write_text(json.dumps({name: str(path.resolve()) for name, path in adapters.items()}, indent=1) + "\n")
+    return files
+
+
+def read_config(version_dir: Path, project_root: Path) -> dict[str, Path]:
+    """The adapters a version directory enables (relative paths against the project root); {} when LoRA is off."""
+    model_json = version_dir / MODEL_JSON
+    if not model_json.exists() or str(json.loads(model_json.read_text()).get("enable_lora")).lower() != "true":
+        return {}
+    listed = version_dir / MULTI_LORA_JSON
+    if not listed.exists():
+        raise AdapterError(f"{model_json} enables LoRA but {listed} is missing (adapter name -> directory)")
+    entries = json.loads(listed.read_text())
+    if not isinstance(entries, dict) or not all(isinstance(v, str) for v in entries.values()):
+        raise AdapterError(f"{listed} must be a JSON object of adapter name -> directory")
+    return {name: path if path.is_absolute() else project_root / path
+            for name, path in ((n, Path(p)) for n, p in entries.items())}
+
+
+def adapter_rank(adapter_dir: Path) -> int:
+    """The largest rank of a PEFT adapter (its `r`, or a larger per-module one)."""
+    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    return max([int(config["r"]), *(int(r) for r in (config.get("rank_pattern") or {}).values())])
+
+
+def fold_input_scales(src: Path, dst: Path, scales: dict[str, torch.Tensor]) -> int:
+    """Copy an adapter with each scaled module's A multiplied by its input scale; -> modules changed."""
+    weights = load_file(src / ADAPTER_WEIGHTS)
+    changed = 0
+    for key, tensor in weights.items():
+        module = key.removeprefix(PEFT_PREFIX).removesuffix(LORA_A_SUFFIX)
+        if key.endswith(LORA_A_SUFFIX) and module in scales:
+            weights[key] = (tensor.float() * scales[module]).to(tensor.dtype)
+            changed += 1
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src / ADAPTER_CONFIG, dst / ADAPTER_CONFIG)
+    save_file(weights, dst / ADAPTER_WEIGHTS)
+    return changed
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapters:
+    """The served adapters: name -> directory the engine loads."""
+
+    paths: dict[str, Path]
+
+    @classmethod
+    def prepare(cls, listed: dict[str, Path], model_dir: Path, work_dir: Path, max_rank: int) -> "Adapters":
+        """Check every listed adapter against the profile's limits; fold the checkpoint's input scales in."""
+        scales_file = model_dir / INPUT_SCALES_FILE
+        scales = load_file(scales_file) if scales_file.exists() else {}
+        paths = {}
+        for name, path in listed.items():
+            if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
+                raise AdapterError(f"LoRA adapter '{name}': {path} is not a PEFT adapter directory "
+                                   f"({ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} are needed)")
+            rank = adapter_rank(path)
+            if rank > max_rank:
+                raise AdapterError(f"LoRA adapter '{name}' has rank {rank}; the profile allows at most "
+                                   f"{max_rank} (max_lora_rank)")
+            if scales:
+                fold_input_scales(path, work_dir / name, scales)
+                path = work_dir / name
+            paths[name] = path
+        return cls(paths)
+
+    def request(self, name: str | None) -> "LoRARequest | None":
+        """The engine's LoRARequest for a request's lora_name (None: the base model)."""
+        from vllm.lora.request import LoRARequest
+
+        if name is None:
+            return None
+        if not self.paths:
+            raise RequestError(f"parameter 'lora_name' = {name!r}: no LoRA adapters are served "
+                               f"(enable them with a3b-render --lora NAME=DIR)")
+        if name not in self.paths:
+            raise RequestError(f"parameter 'lora_name' = {name!r} is not a served adapter; known: "
+                               f"{', '.join(sorted(self.paths))}")
+        # vLLM tells adapters apart by a positive integer id
+        return LoRARequest(name, list(self.paths).index(name) + 1, str(self.paths[name]))
