@@ -47,19 +47,27 @@ class A3BCheckpointError(ValueError):
     """The checkpoint's A3B tensors do not fit its config or the model."""
 
 
-@functools.cache
 def announce_path(layer_kind: str, path: str, dtype: torch.dtype) -> None:
-    """Logs, once per process, each way A3B layers compute (tests read it)."""
+    """Logs, once per process, each way A3B layers compute (tests read it).
+    Not while torch.compile traces: a logger call breaks its graph capture."""
+    if not torch.compiler.is_compiling():
+        _announce_once(layer_kind, path, dtype)
+
+
+@functools.cache
+def _announce_once(layer_kind: str, path: str, dtype: torch.dtype) -> None:
     logger.info("A3B %s: %s path, %s activations", layer_kind, path, str(dtype).removeprefix("torch."))
 
 
-def cpu_linear(layer_kind: str, x: torch.Tensor, weight: A3BWeight, block: tuple[int, int]) -> torch.Tensor:
-    strategy = cpu_strategy()
+def cpu_linear(layer_kind: str, x: torch.Tensor, weight: A3BWeight, block: tuple[int, int],
+               strategy: cpu_kernels.Strategy) -> torch.Tensor:
     announce_path(layer_kind, f"CPU {cpu_kernels.path(x.shape[0], strategy)}", x.dtype)
     return cpu_kernels.linear(x, weight, block, strategy)
 
 
 def cpu_strategy() -> str:
+    """Read when weights load, kept on the layer: torch.compile traces `apply`,
+    where an environment lookup has no place."""
     chosen = os.environ.get(STRATEGY_ENV, DEFAULT_CPU_STRATEGY)
     if chosen not in CPU_STRATEGIES:
         raise ValueError(f"{STRATEGY_ENV}={chosen!r}; allowed: {', '.join(CPU_STRATEGIES)}")
@@ -216,7 +224,8 @@ class A3BLinearMethod(LinearMethodBase):
         del layer.weight_shape
         layer.a3b = A3BWeight.for_kernels({k: getattr(layer, f"weight_{k}").data for k in KERNEL_KINDS},
                                           *layer.a3b_shape)
-        if layer.weight_packed.device.type == "cpu" and cpu_strategy() == "expand":
+        layer.a3b_strategy = cpu_strategy()
+        if layer.weight_packed.device.type == "cpu" and layer.a3b_strategy == "expand":
             weight = cpu_kernels.dequantize(layer.a3b, self.config.block)
             for k in KERNEL_KINDS:
                 delattr(layer, f"weight_{k}")
@@ -228,7 +237,7 @@ class A3BLinearMethod(LinearMethodBase):
             return torch.nn.functional.linear(x, layer.weight, bias)
         x2 = x.reshape(-1, x.shape[-1])
         if x.device.type == "cpu":
-            y = cpu_linear("linear", x2, layer.a3b, self.config.block)
+            y = cpu_linear("linear", x2, layer.a3b, self.config.block, layer.a3b_strategy)
         elif self.config.block[0] == 1:
             y = gpu_linear(x2, layer.a3b, self.config.format)
         else:
@@ -347,6 +356,7 @@ class A3BMoEMethod(FusedMoEMethodBase):
         if layer.moe_config.activation != MoEActivation.SILU or layer.apply_router_weight_on_input:
             raise A3BCheckpointError(f"{self.prefix}: A3B experts support SiLU-gated experts with router weights "
                                      f"applied to the output only (got {layer.moe_config.activation})")
+        layer.a3b_strategy = cpu_strategy()
         # per projection, the experts' stacked weights: what the kernels take
         layer.a3b_experts = {
             stem: A3BWeight.for_kernels({k: getattr(layer, f"{stem}_weight_{k}") for k in KERNEL_KINDS},
@@ -359,7 +369,7 @@ class A3BMoEMethod(FusedMoEMethodBase):
     def _expert_linear(self, x: torch.Tensor, layer: torch.nn.Module, stem: str, expert: int) -> torch.Tensor:
         weight = layer.a3b_experts[stem].expert(expert)
         if x.device.type == "cpu":
-            return cpu_linear("MoE expert", x, weight, self.config.block)
+            return cpu_linear("MoE expert", x, weight, self.config.block, layer.a3b_strategy)
         return x.float() @ dequantize(weight, self.config.format).T  # torch reference path, not a kernel
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
