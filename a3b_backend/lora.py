@@ -100,6 +100,10 @@ class Adapters:
         """Check every listed adapter against the profile's limits; fold the checkpoint's input scales in."""
         scales_file = model_dir / INPUT_SCALES_FILE
         scales = load_file(scales_file) if scales_file.exists() else {}
+        quantization = json.loads((model_dir / "config.json").read_text()).get("quantization_config", {})
+        if listed and quantization.get("calibrated") and not scales:
+            raise AdapterError(f"{model_dir} was calibrated but has no {INPUT_SCALES_FILE} (converted by an older "
+                               "a3b-quantize): LoRA adapters would read scaled inputs; convert it again")
         paths = {}
         for name, path in listed.items():
             if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():

@@ -28,6 +28,13 @@ def adapter(path: Path, rank: int = 4, in_features: int = 6, **config) -> Path:
     return path
 
 
+def checkpoint(path: Path, calibrated: bool) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "a3b",
+                                                                          "calibrated": calibrated}}))
+    return path
+
+
 def test_render_writes_and_removes_the_vllm_backend_files(tmp_path):
     repo = tmp_path / "model_repository"
     assert render(["--repository", str(repo), "--lora", f"a={adapter(tmp_path / 'a')}",
@@ -76,10 +83,11 @@ def test_folded_adapter_reads_divided_inputs_as_the_original_reads_the_inputs(tm
 
 def test_prepare_folds_only_for_checkpoints_with_input_scales(tmp_path):
     listed = {"a": adapter(tmp_path / "a")}
-    plain = tmp_path / "plain"
-    plain.mkdir()
+    plain = checkpoint(tmp_path / "plain", calibrated=False)
     assert lora.Adapters.prepare(listed, plain, tmp_path / "work", 16).paths == listed
-    calibrated = tmp_path / "calibrated"
+    calibrated = checkpoint(tmp_path / "calibrated", calibrated=True)
+    with pytest.raises(lora.AdapterError, match="was calibrated but has no a3b/input_scales.safetensors"):
+        lora.Adapters.prepare(listed, calibrated, tmp_path / "work", 16)
     (calibrated / INPUT_SCALES_FILE).parent.mkdir(parents=True)
     save_file({MODULE: torch.full((6,), 2.0)}, calibrated / INPUT_SCALES_FILE)
     served = lora.Adapters.prepare(listed, calibrated, tmp_path / "work", 16).paths["a"]
@@ -90,14 +98,15 @@ def test_prepare_folds_only_for_checkpoints_with_input_scales(tmp_path):
 
 
 def test_prepare_refuses_what_the_profile_cannot_serve(tmp_path):
+    model = checkpoint(tmp_path / "model", calibrated=False)
     with pytest.raises(lora.AdapterError, match="'big' has rank 32; the profile allows at most 16"):
-        lora.Adapters.prepare({"big": adapter(tmp_path / "big", rank=32)}, tmp_path, tmp_path / "w", 16)
+        lora.Adapters.prepare({"big": adapter(tmp_path / "big", rank=32)}, model, tmp_path / "w", 16)
     with pytest.raises(lora.AdapterError, match="'patterned' has rank 64"):
         lora.Adapters.prepare({"patterned": adapter(tmp_path / "p", rank=8, rank_pattern={"q_proj": 64})},
-                              tmp_path, tmp_path / "w", 16)
+                              model, tmp_path / "w", 16)
     (tmp_path / "empty").mkdir()
     with pytest.raises(lora.AdapterError, match="'empty': .* is not a PEFT adapter directory"):
-        lora.Adapters.prepare({"empty": tmp_path / "empty"}, tmp_path, tmp_path / "w", 16)
+        lora.Adapters.prepare({"empty": tmp_path / "empty"}, model, tmp_path / "w", 16)
 
 
 def test_lora_name_picks_an_adapter_or_is_refused_with_the_known_ones(tmp_path):
