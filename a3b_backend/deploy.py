@@ -7,7 +7,9 @@ Deployment (Triton health endpoints as readiness/liveness/startup probes,
 non-root, /dev/shm sized for vLLM's workers, GPU requests from the profile),
 Service with Prometheus scrape annotations, and for TLS the gRPC SSL flags plus
 an Ingress terminating HTTPS with an authentication hook. Multi-node profiles
-add a Ray head port and a StatefulSet of Ray workers.
+make the Deployment node 0 (server + engine, the rendezvous port on its
+Service) and add a StatefulSet of the other nodes (scripts/vllm_node.sh, node
+rank = pod index + 1).
 """
 from __future__ import annotations
 
@@ -18,11 +20,13 @@ from typing import Any
 
 import yaml
 
-from a3b_backend.profiles import PROFILES, Profile
+from a3b_backend.profiles import (DEFAULT_MASTER_PORT, MASTER_ADDR_ENV, MASTER_PORT_ENV, MODEL_DIR_ENV,
+                                  NODE_RANK_ENV, PROFILE_ENV, PROFILES, Profile)
 
 APP = "a3b-triton"
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
-RAY_PORT = 6379
+# The other nodes read their rank from this (the StatefulSet's pod index).
+POD_INDEX_ENV = "A3B_POD_INDEX"
 EXIT_TIMEOUT_S = 60
 # scripts/serve.sh on SIGTERM: the drain (EXIT_TIMEOUT_S), Triton's own exit
 # timeout after it (10 s), its kill grace (5 s), and a margin.
@@ -38,8 +42,8 @@ def check_profile(p: Profile) -> list[str]:
     problems = []
     world = p.tensor_parallel_size * p.pipeline_parallel_size
     if p.gpus_per_node == 0:
-        if world != 1 or p.nodes != 1:
-            problems.append(f"{p.name}: a CPU profile runs one process on one node (tp*pp={world}, nodes={p.nodes})")
+        if p.tensor_parallel_size != 1 or world != p.nodes:
+            problems.append(f"{p.name}: a CPU profile runs one worker per node (tp*pp={world}, nodes={p.nodes})")
     elif world != p.gpus_per_node * p.nodes:
         problems.append(f"{p.name}: tensor_parallel_size*pipeline_parallel_size = {world} but the profile declares "
                         f"{p.gpus_per_node} GPUs x {p.nodes} nodes = {p.gpus_per_node * p.nodes}")
@@ -51,8 +55,8 @@ def check_profile(p: Profile) -> list[str]:
                         f"{p.model_context_limit}")
     if p.default_max_tokens >= p.max_model_len:
         problems.append(f"{p.name}: default_max_tokens {p.default_max_tokens} leaves no room for a prompt")
-    if p.nodes > 1 and p.distributed_executor_backend != "ray":
-        problems.append(f"{p.name}: {p.nodes} nodes need distributed_executor_backend 'ray', "
+    if p.nodes > 1 and p.distributed_executor_backend != "mp":
+        problems.append(f"{p.name}: {p.nodes} nodes need distributed_executor_backend 'mp' (vLLM's nnodes), "
                         f"not {p.distributed_executor_backend!r}")
     if p.distributed_executor_backend not in EXECUTORS:
         problems.append(f"{p.name}: unknown executor {p.distributed_executor_backend!r}")
@@ -114,17 +118,25 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
             "timeoutSeconds": 5}
 
 
+def _node_env(p: Profile) -> list[dict[str, Any]]:
+    """What every node of a profile shares: the profile and the model."""
+    env = [{"name": PROFILE_ENV, "value": p.name}, {"name": "HF_HUB_OFFLINE", "value": "1"}]
+    if p.gpus_per_node:
+        env.insert(1, {"name": MODEL_DIR_ENV, "value": f"{MODEL_MOUNT}/{Path(p.model_dir).name}"})
+    return env
+
+
 def _env(p: Profile) -> list[dict[str, Any]]:
-    env = [{"name": "A3B_PROFILE", "value": p.name},
-           {"name": "HF_HUB_OFFLINE", "value": "1"},
+    env = [*_node_env(p),
            {"name": "A3B_EXIT_TIMEOUT", "value": str(EXIT_TIMEOUT_S)},
            # serve.sh puts Triton's admin APIs behind the header `admin-key`;
            # inference, health and metadata stay open (put authentication in front of them).
            {"name": "A3B_ADMIN_KEY", "valueFrom": {"secretKeyRef": {"name": f"{APP}-admin", "key": "key"}}}]
-    if p.gpus_per_node:
-        env.insert(1, {"name": "A3B_MODEL_DIR", "value": f"{MODEL_MOUNT}/{Path(p.model_dir).name}"})
     if p.nodes > 1:
-        env.append({"name": "RAY_ADDRESS", "value": f"127.0.0.1:{RAY_PORT}"})
+        # node 0 hosts the rendezvous (torch.distributed's store) on its own address
+        env += [{"name": NODE_RANK_ENV, "value": "0"},
+                {"name": MASTER_ADDR_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                {"name": MASTER_PORT_ENV, "value": str(DEFAULT_MASTER_PORT)}]
     return env
 
 
@@ -145,10 +157,7 @@ def _server_container(p: Profile, tls: bool) -> dict[str, Any]:
     if tls:
         container["args"] = _server_args()
     if p.nodes > 1:
-        # The head script starts the Ray head, waits for the workers' GPUs,
-        # then execs serve.sh with these args.
-        container["command"] = ["/opt/a3b/scripts/ray_node.sh", "head", str(p.gpus_per_node * p.nodes)]
-        ports.append({"name": "ray", "containerPort": RAY_PORT})
+        ports.append({"name": "dist", "containerPort": DEFAULT_MASTER_PORT})
     return container
 
 
@@ -179,31 +188,39 @@ def manifests(p: Profile, tls: bool = False) -> list[dict[str, Any]]:
     }
     service_ports = [{"name": n, "port": port, "targetPort": n} for n, port in PORTS.items()]
     if p.nodes > 1:
-        service_ports.append({"name": "ray", "port": RAY_PORT, "targetPort": "ray"})
+        service_ports.append({"name": "dist", "port": DEFAULT_MASTER_PORT, "targetPort": "dist"})
     service = {"apiVersion": "v1", "kind": "Service",
                "metadata": {"name": name, "labels": labels, "annotations": scrape},
                "spec": {"selector": labels, "ports": service_ports}}
     out = [deployment, service]
     if p.nodes > 1:
-        out.append(_ray_workers(p, name, tls))
+        out.append(_other_nodes(p, name, tls))
     if tls:
         out.append(_ingress(p, name))
     return out
 
 
-def _ray_workers(p: Profile, head: str, tls: bool) -> dict[str, Any]:
-    labels = _labels(p, "ray-worker")
+def _other_nodes(p: Profile, head: str, tls: bool) -> dict[str, Any]:
+    """Nodes 1..nodes-1: vLLM's headless workers joining node 0's engine through its Service.
+    After the handshake the nodes also reach each other's pod IPs on ports vLLM
+    picks (its message queues): a NetworkPolicy must allow pod-to-pod traffic."""
+    labels = _labels(p, "vllm-node")
     _, mounts = _volumes(p, tls)
-    worker = {
-        "name": "ray-worker", "image": _image(p), "imagePullPolicy": "IfNotPresent",
-        "command": ["/opt/a3b/scripts/ray_node.sh", "worker", f"{head}:{RAY_PORT}"],
-        "env": _env(p)[:2], "resources": _resources(p), "volumeMounts": mounts,
+    env = [*_node_env(p),
+           {"name": POD_INDEX_ENV,
+            "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}},
+           {"name": MASTER_ADDR_ENV, "value": head},
+           {"name": MASTER_PORT_ENV, "value": str(DEFAULT_MASTER_PORT)}]
+    node = {
+        "name": "vllm-node", "image": _image(p), "imagePullPolicy": "IfNotPresent",
+        "command": ["/opt/a3b/scripts/vllm_node.sh"],
+        "env": env, "resources": _resources(p), "volumeMounts": mounts,
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
     return {"apiVersion": "apps/v1", "kind": "StatefulSet",
-            "metadata": {"name": f"{head}-ray-worker", "labels": labels},
+            "metadata": {"name": f"{head}-node", "labels": labels},
             "spec": {"serviceName": head, "replicas": p.nodes - 1, "selector": {"matchLabels": labels},
-                     "template": {"metadata": {"labels": labels}, "spec": _pod_spec(p, [worker], tls)}}}
+                     "template": {"metadata": {"labels": labels}, "spec": _pod_spec(p, [node], tls)}}}
 
 
 def _ingress(p: Profile, name: str) -> dict[str, Any]:

