@@ -21,11 +21,12 @@ log = logging.getLogger(__name__)
 class EngineHost:
     def __init__(self, engine_args: dict[str, Any], env: dict[str, str] | None = None,
                  stat_loggers: list | None = None, on_state: Callable[[bool], None] = lambda up: None,
-                 on_in_flight: Callable[[int], None] = lambda count: None):
+                 on_in_flight: Callable[[int], None] = lambda count: None, restart_needs: str | None = None):
         for key, value in (env or {}).items():
             os.environ.setdefault(key, value)
         self._engine_args, self._stat_loggers, self._on_state = engine_args, stat_loggers or [], on_state
         self._on_in_flight = on_in_flight
+        self._restart_needs = restart_needs
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="a3b-engine-loop", daemon=True)
         self._thread.start()
@@ -47,7 +48,7 @@ class EngineHost:
             return
         self._restarting = True
         self._on_state(False)
-        log.error("vLLM engine died; starting a new one")
+        log.error("vLLM engine died; starting a new one%s", f" ({self._restart_needs})" if self._restart_needs else "")
 
         async def rebuild():
             try:
@@ -112,7 +113,8 @@ class EngineHost:
         if draining:
             return SHUTTING_DOWN
         if not self.healthy:
-            return "engine restarting after a failure; retry in a few seconds"
+            needs = f"; {self._restart_needs}" if self._restart_needs else ""
+            return f"engine restarting after a failure; retry in a few seconds{needs}"
         if len(self._in_flight) >= max_in_flight:
             return (f"server busy: {len(self._in_flight)} requests in flight, the limit is {max_in_flight} "
                     "(profile max_in_flight); retry later")

@@ -125,6 +125,14 @@ class Profile:
         """Whether reasoning or tool calls can be parsed out of answers (return_reasoning / return_tool_calls)."""
         return self.reasoning_parser is not None or self.tool_parser is not None
 
+    @property
+    def restart_needs(self) -> str | None:
+        """What a restarted engine waits for beyond itself, told to clients and the log meanwhile."""
+        if self.nodes > 1:
+            return (f"the engine spans {self.nodes} nodes and starts only once all have joined: "
+                    "start any lost node again (scripts/vllm_node.sh)")
+        return None
+
     def resolve_model_dir(self, project_root: Path) -> Path:
         override = os.environ.get(MODEL_DIR_ENV)
         path = Path(override or self.model_dir)

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
+import subprocess
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -95,3 +98,10 @@ def scrape(metrics_port: int) -> dict[str, float]:
 
 def metric(values: dict[str, float], name: str, model: str = "a3b_llm") -> float:
     return values[f'{name}{{model="{model}",version="1"}}']
+
+
+def ready_script(server) -> subprocess.CompletedProcess:
+    """scripts/ready.sh, the readiness probe that includes the engine, against this server."""
+    env = dict(os.environ, A3B_HTTP_PORT=str(server.http_port), A3B_METRICS_PORT=str(server.metrics_port))
+    script = Path(__file__).resolve().parent.parent / "scripts" / "ready.sh"
+    return subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)

@@ -3,11 +3,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import queue
-import subprocess
 import time
-from pathlib import Path
 
 import numpy as np
 import psutil
@@ -15,10 +12,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from a3b_backend.bench import loadgen
-from served import GREEDY, CAPITAL, metric, scrape, stream_infer, tensor, text_request, texts
+from served import CAPITAL, GREEDY, metric, ready_script, scrape, stream_infer, tensor, text_request, texts
 
 pytestmark = pytest.mark.served
-ROOT = Path(__file__).resolve().parent.parent
 F32, I32 = np.float32, np.int32
 
 
@@ -246,11 +242,6 @@ def _ready(server, model: str) -> bool:
         return False
 
 
-def _ready_script(server) -> subprocess.CompletedProcess:
-    env = dict(os.environ, A3B_HTTP_PORT=str(server.http_port), A3B_METRICS_PORT=str(server.metrics_port))
-    return subprocess.run(["bash", str(ROOT / "scripts" / "ready.sh")], env=env, capture_output=True, text=True)
-
-
 def test_engine_death_fails_in_flight_requests_fast_and_recovers(server):
     """Runs last: it kills the engine process and waits for a3b_llm to start a new one."""
     pool = concurrent.futures.ThreadPoolExecutor(1)
@@ -263,7 +254,7 @@ def test_engine_death_fails_in_flight_requests_fast_and_recovers(server):
     assert error is not None and "engine failed" in error
     assert time.monotonic() - killed_at < 30
     assert _ready(server, "ensemble")  # the ensemble stays loaded while a3b_llm restarts its engine
-    probe = _ready_script(server)
+    probe = ready_script(server)
     assert probe.returncode == 1 and "engine is down or restarting" in probe.stdout
     _, error = stream_infer(server.grpc_url, "ensemble", text_request(CAPITAL, False, GREEDY))
     assert error is not None and ("restarting" in error or "engine failed" in error)
@@ -272,7 +263,7 @@ def test_engine_death_fails_in_flight_requests_fast_and_recovers(server):
         assert time.monotonic() < deadline, "engine did not come back"
         time.sleep(2)
     assert metric(scrape(server.metrics_port), "a3b_engine_restarts_total") >= 1
-    assert _ready_script(server).returncode == 0
+    assert ready_script(server).returncode == 0
     ok, error = stream_infer(server.grpc_url, "ensemble", text_request(CAPITAL, False, GREEDY))
     assert error is None and "Paris" in texts(ok)[0]
     pool.shutdown()

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from a3b_backend import repository
 from a3b_backend.bench import server_process
+from a3b_backend.quant import calibrate
 from a3b_backend.quant.convert import INPUT_SCALES_FILE
 from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
 from served import stream_infer, text_request, texts
@@ -75,9 +76,8 @@ def served_model_unfolded():
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(SOURCE), dtype=torch.float32).eval()
     stored = load_file(SERVED / "model.safetensors")
     scales = load_file(SERVED / INPUT_SCALES_FILE)
-    norm_scale = {f"{m.rsplit('.', 2)[0]}.{norm}.weight": s for m, s in scales.items()
-                  for proj, norm in (("self_attn.q_proj", "input_layernorm"), ("mlp.gate_proj", "post_attention_layernorm"))
-                  if m.endswith(proj)}
+    # the linears of one norm share its scale
+    norm_scale = {f"{calibrate.norm_for(m)}.weight": s for m, s in scales.items()}
     state = {}
     for name in model.state_dict():
         module = name.removesuffix(".weight")

@@ -39,6 +39,7 @@ class TritonPythonModel:
             stat_loggers=[self.metrics.stat_logger_factory()],
             on_state=self.metrics.engine_state,
             on_in_flight=self.metrics.in_flight,
+            restart_needs=profile.restart_needs,
         )
         vocab_size = self.host.engine.model_config.get_vocab_size()
         self.limits = dataclasses.replace(request_limits(profile), vocab_size=vocab_size)
