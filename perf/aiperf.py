@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -103,9 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--requests", type=int, default=10)
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "aiperf")
+    parser.add_argument("--dry-run", action="store_true", help="print the two commands, run nothing")
     args = parser.parse_args(argv)
     runs = {"genai-perf": (genai_perf_command, "profile_export_genai_perf.json"),
             "AIPerf": (aiperf_command, "profile_export_aiperf.json")}
+    if args.dry_run:
+        for command, _ in runs.values():
+            print(shlex.join(command(args, args.out)))
+        return 0
     results = {}
     for step, (tool, (command, name)) in enumerate(runs.items(), 1):
         print(f"==> [{step}/{len(runs)}] {tool}", flush=True)

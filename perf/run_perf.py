@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     started = time.monotonic()
     for stem, cmd in tqdm(commands, desc=f"perf_analyzer ({profile.name})", unit="run"):
+        # perf_analyzer refuses an export file that exists: a rerun replaces the last one
+        (exports / f"{stem}.json").unlink(missing_ok=True)
         log = exports / f"{stem}.log"
         with open(log, "w") as fh:
             done = subprocess.run(["bash", str(tool), "-m", args.model, "-u", args.url, *cmd],

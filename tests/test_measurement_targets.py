@@ -1,0 +1,57 @@
+"""Every measurement target builds its commands from a fresh clone: `make -n`
+of each documented target, `--help` of each perf script (its imports and
+arguments), and the dry runs of the scripts that drive external tools."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PERF_SCRIPTS = sorted(p.name for p in (ROOT / "perf").glob("*.py") if p.name != "locustfile.py")
+
+
+def phony_targets() -> list[str]:
+    match = re.search(r"^\.PHONY:(.*)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    return match.group(1).split()
+
+
+def run(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("target", phony_targets())
+def test_make_target_expands(target):
+    done = run("make", "-n", target)
+    assert done.returncode == 0, done.stderr
+
+
+def test_every_documented_target_is_phony():
+    """README and perf/README name targets that exist."""
+    documented = set()
+    for doc in ("README.md", "perf/README.md"):
+        documented |= set(re.findall(r"`make ([a-z][a-z0-9-]*)", (ROOT / doc).read_text()))
+    assert documented <= set(phony_targets()), documented - set(phony_targets())
+
+
+@pytest.mark.parametrize("script", PERF_SCRIPTS)
+def test_perf_script_help(script):
+    done = run(sys.executable, f"perf/{script}", "--help")
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]
+
+
+def test_perf_sweep_dry_run(tmp_path):
+    done = run(sys.executable, "perf/run_perf.py", "--profile", "cpu", "--out", str(tmp_path), "--dry-run")
+    assert done.returncode == 0, done.stderr[-2000:]
+    commands = [line for line in done.stdout.splitlines() if "perf_analyzer.sh" in line]
+    assert commands and all("perf_analyzer.sh" in c and "--profile-export-file" in c for c in commands)
+
+
+def test_aiperf_dry_run(tmp_path):
+    done = run(sys.executable, "perf/aiperf.py", "--out", str(tmp_path), "--dry-run")
+    assert done.returncode == 0, done.stderr[-2000:]
+    genai, aiperf = done.stdout.strip().splitlines()
+    assert "genai_perf.sh profile" in genai and "aiperf profile" in aiperf
