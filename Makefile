@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 MODEL_DIR ?= models/smollm2-135m-instruct
 QWEN_TINY_DIR := models/qwen3.6-tiny
 
-.PHONY: setup model model-qwen serve test test-distributed test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust bench-overload bench-overhead bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu kv-report quality clean
+.PHONY: setup model model-qwen serve test test-distributed test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust bench-overload bench-serving-path bench-overhead bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu kv-report quality clean
 
 setup:
 	bash scripts/setup.sh
@@ -92,6 +92,11 @@ bench-prefix-cache: setup model
 # SIGTERM with ensemble streams in flight: the drain (starts its own server)
 bench-shutdown: setup model
 	$(PY) perf/shutdown.py
+
+# the serving path's ceiling without the engine: our repository with a token
+# source as a3b_llm, perf_analyzer at 1..256 streams (starts its own server)
+bench-serving-path: setup model perf-tools
+	$(PY) perf/serving_path.py
 
 # bare AsyncLLM vs a3b_llm vs ensemble, same prompts, interleaved (starts its own server)
 bench-overhead: setup model

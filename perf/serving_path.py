@@ -1,0 +1,237 @@
+"""The serving path's ceiling without the engine (`make bench-serving-path`):
+the real tritonserver with our real preprocessing, postprocessing and
+`ensemble`, rendered as `a3b-render` renders them, and only `a3b_llm` swapped
+for perf/token_source (an engine stand-in that costs next to nothing: one step
+every 12.5 ms, one real token per running stream per step).
+
+perf_analyzer (C++, so the client costs little CPU) streams from `ensemble`
+at each concurrency of the sweep. Reported per level: streamed tokens/s and
+responses/s delivered to the client, each token's lateness (arrival at the
+client minus the step's scheduled time, carried in `cumulative_logprob`),
+and the CPU used by tritonserver, each Python stub and the client.
+Table, JSON and PNG under perf/results/serving_path/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from a3b_backend import contract, repository  # noqa: E402
+from a3b_backend.bench import perf_report, server_process  # noqa: E402
+from a3b_backend.profiles import get_profile  # noqa: E402
+
+TOKEN_SOURCE = ROOT / "perf" / "token_source" / "model.py"
+CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PROMPT = "Summarize the GNU General Public License in one paragraph."
+# the processes whose CPU is reported, by what their command line holds
+ROLES = ("tritonserver", "preprocessing", contract.LLM_MODEL, "postprocessing")
+
+
+@dataclass
+class Level:
+    concurrency: int
+    requests: int
+    errors: int
+    tokens_per_s: float
+    responses_per_s: float
+    offered_tokens_per_s: float
+    lateness_ms: dict[int, float]
+    cores: dict[str, float]  # CPU seconds per wall second, by role and for the client
+
+
+def build_repository(into: Path) -> Path:
+    """The model repository as rendered, with the token source as a3b_llm."""
+    repo = into / "model_repository"
+    shutil.copytree(ROOT / "model_repository", repo,
+                    ignore=shutil.ignore_patterns("model.json", "multi_lora.json", "__pycache__"))
+    for model, text in repository.render().items():
+        (repo / model / "config.pbtxt").write_text(text)
+    shutil.copy(TOKEN_SOURCE, repo / contract.LLM_MODEL / "1" / "model.py")
+    return repo
+
+
+def input_file(path: Path, tokens: int) -> Path:
+    values = {"text_input": [PROMPT], "stream": [True], "exclude_input_in_output": [True],
+              "return_cumulative_logprob": [True], "return_num_output_tokens": [True],
+              "sampling_parameters": [json.dumps({"max_tokens": tokens, "ignore_eos": True})]}
+    path.write_text(json.dumps({"data": [values]}))
+    return path
+
+
+def role_cpu(server: server_process.Server) -> dict[str, float]:
+    """CPU seconds so far of the server and of each stub (by the model it serves)."""
+    import psutil
+
+    totals = dict.fromkeys(ROLES, 0.0)
+    for proc in [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(recursive=True)]:
+        try:
+            cmdline, times = " ".join(proc.cmdline()), proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        stub_of = next((r for r in ROLES[1:] if f"/{r}/" in cmdline), None)
+        role = stub_of or ("tritonserver" if "tritonserver" in cmdline else None)
+        if role:
+            totals[role] += times.user + times.system
+    return totals
+
+
+def client_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_level(server, concurrency: int, tokens: int, interval_ms: float, epoch_ns: int, work: Path) -> Level:
+    export = work / f"c{concurrency}.json"
+    export.unlink(missing_ok=True)
+    per_window = max(32, 2 * concurrency)
+    cmd = ["bash", str(ROOT / "scripts" / "perf_analyzer.sh"), "-m", "ensemble", "-u", server.grpc_url,
+           "-i", "grpc", "--streaming", "--async", "--input-data", str(input_file(work / "input.json", tokens)),
+           "--concurrency-range", str(concurrency), "--measurement-mode", "count_windows",
+           "--measurement-request-count", str(per_window), "--stability-percentage", "999", "--max-trials", "3",
+           "--profile-export-file", str(export)]
+    before, client_before, started = role_cpu(server), client_cpu(), time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    wall = time.monotonic() - started
+    after, client_after = role_cpu(server), client_cpu()
+    if done.returncode != 0:
+        raise SystemExit(f"perf_analyzer failed at concurrency {concurrency}:\n"
+                         f"{done.stdout[-3000:]}{done.stderr[-2000:]}")
+    cores = {role: (after[role] - before[role]) / wall for role in ROLES}
+    cores["client (perf_analyzer)"] = (client_after - client_before) / wall
+    return summarize(json.loads(export.read_text()), concurrency, tokens, interval_ms, epoch_ns, cores)
+
+
+def output_value(out: dict, name: str) -> float:
+    """A one-element numeric output as perf_analyzer exports it."""
+    value = out[name]
+    return float(value[0] if isinstance(value, list) else value)
+
+
+def summarize(export: dict, concurrency: int, tokens: int, interval_ms: float, epoch_ns: int,
+              cores: dict[str, float]) -> Level:
+    [experiment] = export["experiments"]
+    lateness, token_count, responses, errors = [], 0, 0, 0
+    starts, ends = [], []
+    for req in experiment["requests"]:
+        outputs = [o for o in req.get("response_outputs", []) if o and "cumulative_logprob" in o]
+        if len(outputs) == 0:
+            errors += 1
+            continue
+        starts.append(int(req["timestamp"]))
+        ends.append(int(req["response_timestamps"][-1]))
+        for stamp, out in zip(req["response_timestamps"], req["response_outputs"]):
+            if not out or "cumulative_logprob" not in out:
+                continue
+            responses += 1
+            token_count += int(output_value(out, "num_output_tokens"))
+            due_ns = epoch_ns + output_value(out, "cumulative_logprob") * 1e9
+            lateness.append((int(stamp) - due_ns) / 1e6)
+    span_s = (max(ends) - min(starts)) / 1e9
+    return Level(concurrency=concurrency, requests=len(starts), errors=errors,
+                 tokens_per_s=token_count / span_s, responses_per_s=responses / span_s,
+                 offered_tokens_per_s=concurrency * 1000 / interval_ms,
+                 lateness_ms={p: float(np.percentile(lateness, p)) for p in (50, 99)}, cores=cores)
+
+
+def markdown(levels: list[Level]) -> str:
+    roles = list(levels[0].cores)
+    header = ["streams", "offered tok/s", "delivered tok/s", "responses/s", "lateness ms p50 / p99", "errors",
+              *(f"cores: {r}" for r in roles)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for lv in levels:
+        lines.append("| " + " | ".join([
+            str(lv.concurrency), f"{lv.offered_tokens_per_s:.0f}", f"{lv.tokens_per_s:.0f}",
+            f"{lv.responses_per_s:.0f}",
+            f"{lv.lateness_ms[50]:.1f} / {lv.lateness_ms[99]:.1f}", str(lv.errors),
+            *(f"{lv.cores[r]:.2f}" for r in roles)]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(levels: list[Level], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [lv.concurrency for lv in levels]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    axes[0].plot(x, [lv.offered_tokens_per_s for lv in levels], "k--", label="offered")
+    axes[0].plot(x, [lv.tokens_per_s for lv in levels], "o-", label="tokens/s delivered")
+    axes[0].plot(x, [lv.responses_per_s for lv in levels], "x-", label="responses/s delivered")
+    axes[1].plot(x, [lv.lateness_ms[50] for lv in levels], "o-", label="p50")
+    axes[1].plot(x, [lv.lateness_ms[99] for lv in levels], "x--", label="p99")
+    axes[1].set_yscale("log")
+    for role in levels[0].cores:
+        axes[2].plot(x, [lv.cores[role] for lv in levels], "o-", label=role)
+    for ax, name in zip(axes, ("throughput", "token lateness (ms)", "CPU (cores)")):
+        ax.set_title(name)
+        ax.set_xlabel("concurrent streams")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from tqdm import tqdm
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=CONCURRENCIES)
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per stream")
+    parser.add_argument("--interval-ms", type=float, default=12.5, help="the token source's step")
+    parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "serving_path")
+    parser.add_argument("--label", default="", help="what this run measures, for the report's title")
+    args = parser.parse_args(argv)
+    if not (ROOT / ".venv-perf" / "bin" / "perf_analyzer").exists():
+        raise SystemExit("perf_analyzer is not installed: run make perf-tools")
+    args.out.mkdir(parents=True, exist_ok=True)
+    epoch_ns = time.time_ns()
+    with tempfile.TemporaryDirectory(prefix="a3b-serving-path-") as tmp:
+        work = Path(tmp)
+        env = {"A3B_MODEL_REPOSITORY": str(build_repository(work)),
+               "A3B_MODEL_DIR": str(get_profile().resolve_model_dir(ROOT)),
+               "A3B_TOKEN_SOURCE_EPOCH_NS": str(epoch_ns), "A3B_TOKEN_SOURCE_INTERVAL_MS": str(args.interval_ms)}
+        print("starting tritonserver with the token source as a3b_llm ...", flush=True)
+        server = server_process.start(work / "tritonserver.log", env)
+        levels = []
+        try:
+            for concurrency in tqdm(args.concurrency, desc="serving path", unit="level"):
+                levels.append(run_level(server, concurrency, args.tokens, args.interval_ms, epoch_ns, work))
+                tqdm.write(markdown(levels[-1:]).splitlines()[-1])
+        finally:
+            server.stop()
+    title = "Serving path without the engine" + (f": {args.label}" if args.label else "")
+    plot(levels, args.out / "serving_path.png", title)
+    (args.out / "serving_path.json").write_text(json.dumps(
+        {"machine": perf_report.machine(), "tokens_per_stream": args.tokens, "interval_ms": args.interval_ms,
+         "levels": [asdict(lv) for lv in levels]}, indent=1))
+    report = args.out / "serving_path.md"
+    report.write_text(
+        f"# {title}\n\nMachine: {perf_report.machine()}; client and server share it. Command: `make "
+        f"bench-serving-path` (perf/serving_path.py): tritonserver with our preprocessing, postprocessing and "
+        f"`ensemble`, a3b_llm replaced by perf/token_source ({args.interval_ms} ms steps, one token per stream "
+        f"per step, {args.tokens} tokens per stream); perf_analyzer streams over gRPC. Lateness: arrival at the "
+        f"client minus the token's scheduled step. Cores: CPU seconds per second of each level's run.\n\n"
+        f"{markdown(levels)}\n![plots](serving_path.png)\n")
+    print(markdown(levels))
+    print(f"wrote {report}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Benchmark only (`make bench-serving-path`): stands in for a3b_llm in a copy of
+the model repository, so the serving path (preprocessing -> ensemble ->
+postprocessing -> client) is measured without an engine.
+
+It behaves like an engine producing one token per step for every running
+stream: a step every $A3B_TOKEN_SOURCE_INTERVAL_MS (12.5 ms: 80 tokens/s per
+stream), each step sending the next token of every stream that has joined,
+real token ids of real text with the context window a3b_llm sends. Steps keep
+an absolute schedule: when the source falls behind, its steps run late and
+their tokens keep their scheduled time, so a backlog shows as lateness. Each
+response's `cumulative_logprob` carries its step's scheduled time in seconds
+after $A3B_TOKEN_SOURCE_EPOCH_NS (wall clock, as perf_analyzer stamps
+responses; client and server share the machine's clock); the benchmark asks
+for it and compares it with arrival."""
+from a3b_backend import triton_io
+
+triton_io.use_utf8_locale()
+
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+from a3b_backend import contract  # noqa: E402
+from a3b_backend.detokenize import DecodeRule  # noqa: E402
+from a3b_backend.generation import Step, request_arrays, step_arrays  # noqa: E402
+from a3b_backend.triton_io import string_value  # noqa: E402
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+INPUT_NAMES = contract.names(contract.LLM_INPUTS)
+# real text: the GNU GPL v3 as Debian and Ubuntu ship it
+TEXT = Path("/usr/share/common-licenses/GPL-3")
+
+
+@dataclass
+class Stream:
+    sender: object
+    token_ids: list[int]
+    context_tokens: int
+    prompt_tokens: int
+    per_request: dict
+    sent: int = 0
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        tokenizer = triton_io.load_tokenizer(args)
+        self.text_ids = tokenizer(TEXT.read_text())["input_ids"]
+        self.interval_ns = int(float(os.environ.get("A3B_TOKEN_SOURCE_INTERVAL_MS", "12.5")) * 1e6)
+        self.epoch_ns = int(os.environ.get("A3B_TOKEN_SOURCE_EPOCH_NS", time.time_ns()))
+        # steps are scheduled on the monotonic clock and reported on the wall clock
+        self.wall_minus_monotonic_ns = time.time_ns() - time.monotonic_ns()
+        self.next_offset = 0
+        self.streams: list[Stream] = []
+        self.loop = asyncio.new_event_loop()
+        self.joined = asyncio.Event()
+        threading.Thread(target=self.loop.run_forever, name="token-source", daemon=True).start()
+        asyncio.run_coroutine_threadsafe(self._steps(), self.loop)
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            tensors = triton_io.read_inputs(pb_utils, request, INPUT_NAMES)
+            if contract.ABORT_REQUEST_ID in tensors:
+                sender.send(flags=FINAL)
+                continue
+            sampling = json.loads(string_value(tensors, "sampling_parameters") or "{}")
+            count = int(sampling.get("max_tokens", 16))
+            # every stream replays its own stretch of the text
+            start = self.next_offset % (len(self.text_ids) - count)
+            self.next_offset += 997
+            stream = Stream(sender, self.text_ids[start:start + count], DecodeRule.from_params(sampling).context_tokens,
+                            int(tensors["input_ids"].size),
+                            request_arrays(string_value(tensors, contract.POSTPROCESS_CONFIG), uuid.uuid4().hex))
+            self.loop.call_soon_threadsafe(self._join, stream)
+        return None
+
+    def _join(self, stream: Stream) -> None:
+        self.streams.append(stream)
+        self.joined.set()
+
+    async def _steps(self) -> None:
+        while True:
+            if not self.streams:
+                self.joined.clear()
+                await self.joined.wait()
+                due = time.monotonic_ns()
+            delay = (due - time.monotonic_ns()) / 1e9
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self.streams = [s for s in self.streams if self._emit(s, due)]
+            due += self.interval_ns
+
+    def _emit(self, stream: Stream, due_ns: int) -> bool:
+        """Sends the stream's next token; False once it has sent its last."""
+        if stream.sender.is_cancelled():
+            stream.sender.send(flags=FINAL)
+            return False
+        k = stream.sent
+        final = k + 1 == len(stream.token_ids)
+        step = Step(token_ids=stream.token_ids[k:k + 1],
+                    context_ids=stream.token_ids[max(0, k - stream.context_tokens):k],
+                    finish_reason="length" if final else "", stop_reason="",
+                    cumulative_logprob=(due_ns + self.wall_minus_monotonic_ns - self.epoch_ns) / 1e9,
+                    token_logprobs=[], logprobs_json="",
+                    num_input_tokens=stream.prompt_tokens, num_output_tokens=1)
+        stream.sender.send(triton_io.response(pb_utils, step_arrays(step, stream.per_request)),
+                           flags=FINAL if final else 0)
+        stream.sent += 1
+        return not final
