@@ -94,9 +94,11 @@ bench-shutdown: setup model
 	$(PY) perf/shutdown.py
 
 # the serving path's ceiling without the engine: our repository with a token
-# source as a3b_llm, perf_analyzer at 1..256 streams (starts its own server)
+# source as a3b_llm, perf_analyzer at 1..256 streams (starts its own server);
+# as a3b_llm sends (tokens due meanwhile in one response), then one per token
 bench-serving-path: setup model perf-tools
 	$(PY) perf/serving_path.py
+	$(PY) perf/serving_path.py --no-coalesce --out perf/results/serving_path/no_coalescing
 
 # bare AsyncLLM vs a3b_llm vs ensemble, same prompts, interleaved (starts its own server)
 bench-overhead: setup model

@@ -103,23 +103,26 @@ LLM_REQUEST_INPUTS = (
 # postprocessing sees it and forwards it with this.
 LLM_CONTROL_INPUTS = (_t(ABORT_REQUEST_ID, "STRING"),)
 LLM_INPUTS = LLM_REQUEST_INPUTS + LLM_CONTROL_INPUTS
-# a3b_llm -> postprocessing (one set per engine step)
+# a3b_llm -> postprocessing (one set per engine step). The optional ones are
+# sent only when they hold something (absent: empty, or NaN for
+# cumulative_logprob): every tensor costs its copy through Triton and both
+# Python stubs on every token.
 LLM_OUTPUTS = (
-    _t("token_ids", "INT32", (-1,)),
+    _t("token_ids", "INT32", (-1,), optional=False),
     _t("context_ids", "INT32", (-1,)),
     _t("finish_reason", "STRING", (1,)),
     _t("stop_reason", "STRING", (1,)),
     _t("cumulative_logprob", "FP32", (1,)),
     _t("token_logprobs", "FP32", (-1,)),
     _t("logprobs", "STRING", (1,)),
-    _t("num_input_tokens", "UINT32", (1,)),
-    _t("num_output_tokens", "UINT32", (1,)),
-    _t(POSTPROCESS_CONFIG, "STRING", (1,)),
-    _t(REQUEST_ID, "STRING", (1,)),
-    # this step's pieces when the request is parsed ("" otherwise)
+    _t("num_input_tokens", "UINT32", (1,), optional=False),
+    _t("num_output_tokens", "UINT32", (1,), optional=False),
+    _t(POSTPROCESS_CONFIG, "STRING", (1,), optional=False),
+    _t(REQUEST_ID, "STRING", (1,), optional=False),
+    # this step's pieces when the request is parsed
     _t("reasoning_text", "STRING", (1,)),
     _t("content_text", "STRING", (1,)),
     _t("tool_calls", "STRING", (1,)),
 )
 PREPROCESS_OUTPUTS = tuple(dataclasses.replace(t, optional=False) for t in LLM_REQUEST_INPUTS)
-POSTPROCESS_INPUTS = tuple(dataclasses.replace(t, optional=False) for t in LLM_OUTPUTS)
+POSTPROCESS_INPUTS = LLM_OUTPUTS

@@ -156,26 +156,27 @@ def request_arrays(postprocess_config: str, request_id: str) -> dict[str, np.nda
 
 
 def step_arrays(step: Step, per_request: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The a3b_llm output tensors of one step."""
-    return {
+    """The a3b_llm output tensors of one step: the optional ones only when they
+    hold something (contract.LLM_OUTPUTS)."""
+    arrays = {
         "token_ids": np.asarray(step.token_ids, dtype=np.int32),
-        "context_ids": np.asarray(step.context_ids, dtype=np.int32),
-        "finish_reason": string_tensor(step.finish_reason),
-        "stop_reason": string_tensor(step.stop_reason),
-        "cumulative_logprob": np.array([step.cumulative_logprob], dtype=np.float32),
-        "token_logprobs": np.asarray(step.token_logprobs, dtype=np.float32),
-        "logprobs": string_tensor(step.logprobs_json),
-        "num_input_tokens": np.array([step.num_input_tokens], dtype=np.uint32),
-        "num_output_tokens": np.array([step.num_output_tokens], dtype=np.uint32),
-        **(_parsed_arrays(step.parsed) if step.parsed else _NOT_PARSED),
+        "num_input_tokens": np.full(1, step.num_input_tokens, dtype=np.uint32),
+        "num_output_tokens": np.full(1, step.num_output_tokens, dtype=np.uint32),
         **per_request,
     }
-
-
-def _parsed_arrays(parsed: ParsedStep) -> dict[str, np.ndarray]:
-    return {"reasoning_text": string_tensor(parsed.reasoning), "content_text": string_tensor(parsed.content),
-            "tool_calls": string_tensor(tool_calls_json(parsed.tool_calls))}
-
-
-# Every step carries the parser's outputs (the ensemble maps them); unparsed ones share these.
-_NOT_PARSED = _parsed_arrays(ParsedStep())
+    if step.context_ids:
+        arrays["context_ids"] = np.asarray(step.context_ids, dtype=np.int32)
+    for name, text in (("finish_reason", step.finish_reason), ("stop_reason", step.stop_reason),
+                       ("logprobs", step.logprobs_json)):
+        if text:
+            arrays[name] = string_tensor(text)
+    if not math.isnan(step.cumulative_logprob):
+        arrays["cumulative_logprob"] = np.full(1, step.cumulative_logprob, dtype=np.float32)
+    if step.token_logprobs:
+        arrays["token_logprobs"] = np.asarray(step.token_logprobs, dtype=np.float32)
+    if step.parsed:
+        for name, text in (("reasoning_text", step.parsed.reasoning), ("content_text", step.parsed.content),
+                           ("tool_calls", tool_calls_json(step.parsed.tool_calls))):
+            if text:
+                arrays[name] = string_tensor(text)
+    return arrays

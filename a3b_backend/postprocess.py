@@ -26,8 +26,9 @@ OUTPUTS_BY_FLAG = {
 }
 
 
-def _float(tensors: Mapping[str, np.ndarray], name: str) -> float:
-    return float(tensors[name].reshape(-1)[0])
+def _ids(tensors: Mapping[str, np.ndarray], name: str) -> list[int]:
+    """An optional id tensor (absent: none)."""
+    return tensors[name].reshape(-1).tolist() if name in tensors else []
 
 
 def step_outputs(tensors: Mapping[str, np.ndarray], tokenizer: Any) -> dict[str, np.ndarray]:
@@ -42,16 +43,17 @@ def step_outputs(tensors: Mapping[str, np.ndarray], tokenizer: Any) -> dict[str,
     else:
         text = text_delta(
             tokenizer,
-            tensors["context_ids"].reshape(-1).tolist(),
-            tensors["token_ids"].reshape(-1).tolist(),
+            _ids(tensors, "context_ids"),
+            _ids(tensors, "token_ids"),
             rule,
             final=final,
             stopped_by=string_value(tensors, "stop_reason") or None,
         )
     if final and config.get("echo"):
         text = config["echo"] + text
-    cumulative = _float(tensors, "cumulative_logprob")
-    token_logprobs = tensors["token_logprobs"].reshape(-1).astype(np.float32)
+    # a3b_llm sends the optional step tensors only when they hold something (contract.LLM_OUTPUTS)
+    cumulative = float(tensors["cumulative_logprob"].reshape(-1)[0]) if "cumulative_logprob" in tensors else np.nan
+    token_logprobs = tensors.get("token_logprobs", np.zeros(0)).reshape(-1).astype(np.float32)
     outputs = {
         "text_output": string_tensor(text),
         "finish_reason": string_tensor(finish_reason),
@@ -62,7 +64,8 @@ def step_outputs(tensors: Mapping[str, np.ndarray], tokenizer: Any) -> dict[str,
         "cum_log_probs": np.array([cumulative], dtype=np.float32),
         "output_log_probs": token_logprobs,
     }
-    if parsed:  # passed on as a3b_llm sent them (STRING tensors)
-        outputs.update(reasoning_output=tensors["reasoning_text"], tool_calls=tensors["tool_calls"])
+    if parsed:
+        outputs.update(reasoning_output=string_tensor(string_value(tensors, "reasoning_text")),
+                       tool_calls=string_tensor(string_value(tensors, "tool_calls")))
     asked = {name for flag, names in OUTPUTS_BY_FLAG.items() if returns.get(flag) for name in names}
     return {name: value for name, value in outputs.items() if name == "text_output" or name in asked}

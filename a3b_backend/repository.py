@@ -79,7 +79,11 @@ def render() -> dict[str, str]:
         # KIND_MODEL: vLLM places the model on its devices itself.
         contract.LLM_MODEL: _python_model(contract.LLM_MODEL, contract.LLM_INPUTS, contract.LLM_OUTPUTS,
                                  decoupled=True, instance_kind="KIND_MODEL", count=1),
-        # One instance keeps the pieces of a stream in engine order.
+        # One instance keeps the pieces of a stream in engine order. No
+        # dynamic batching: Triton's batcher answers a cancelled request
+        # itself, so postprocessing would never see an ensemble client's
+        # cancellation to pass on, and Triton 2.51 then keeps that ensemble
+        # request in flight for good.
         "postprocessing": _python_model("postprocessing", contract.POSTPROCESS_INPUTS, contract.TEXT_OUTPUTS,
                                         decoupled=False, instance_kind="KIND_CPU", count=1),
         "ensemble": _ensemble(),

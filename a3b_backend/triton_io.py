@@ -6,7 +6,8 @@ client error type, and the few Triton python-backend calls they share.
 from __future__ import annotations
 
 import locale
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -63,13 +64,10 @@ def project_root(args: Mapping[str, str]) -> Path:
     return Path(args["model_repository"]).resolve().parent.parent
 
 
-def read_inputs(pb_utils: Any, request: Any, names: Iterable[str]) -> dict[str, np.ndarray]:
-    found = {}
-    for name in names:
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        if tensor is not None:
-            found[name] = tensor.as_numpy()
-    return found
+def read_inputs(request: Any, names: Iterable[str]) -> dict[str, np.ndarray]:
+    """The request's inputs among `names`, in one pass (pb_utils.get_input_tensor_by_name scans them all per name)."""
+    wanted = set(names)
+    return {tensor.name(): tensor.as_numpy() for tensor in request.inputs() if tensor.name() in wanted}
 
 
 def response(pb_utils: Any, arrays: Mapping[str, np.ndarray]) -> Any:
@@ -91,19 +89,19 @@ def load_tokenizer(args: Mapping[str, str]) -> Any:
 
 def respond_each(pb_utils: Any, requests: Iterable[Any], input_names: Iterable[str],
                  handle: Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]], stage: str,
-                 cancelled: deque | None = None) -> list[Any]:
+                 cancellation: "CancellationForwarder | None" = None) -> list[Any]:
     """One response per request; a failure answers that request and no other.
-    With `cancelled` (the ids last aborted, a bounded deque), client
-    cancellation is forwarded upstream."""
+    With `cancellation`, client cancellation is forwarded upstream."""
     names = tuple(input_names)
     responses = []
     for request in requests:
-        if cancelled is not None:
-            # Answered as usual even when cancelled: an error response here
-            # leaves Triton 2.51's ensemble request in flight for good.
-            forward_cancellation(pb_utils, request, cancelled)
         try:
-            responses.append(response(pb_utils, handle(read_inputs(pb_utils, request, names))))
+            tensors = read_inputs(request, names)
+            if cancellation is not None:
+                # Answered as usual even when cancelled: an error response here
+                # leaves Triton 2.51's ensemble request in flight for good.
+                cancellation.check(request, tensors)
+            responses.append(response(pb_utils, handle(tensors)))
         except RequestError as exc:
             responses.append(error_response(pb_utils, str(exc)))
         except Exception as exc:  # a bug must answer this request, not kill the model
@@ -116,18 +114,35 @@ def unavailable_response(pb_utils: Any, message: str) -> Any:
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE))
 
 
-def forward_cancellation(pb_utils: Any, request: Any, aborted: deque) -> bool:
-    """True when the client cancelled this request; then asks a3b_llm to abort
-    the generation behind it (once), since Triton 2.51 does not."""
-    if not request.is_cancelled():
-        return False
-    request_id = string_value(read_inputs(pb_utils, request, [contract.REQUEST_ID]), contract.REQUEST_ID)
-    if request_id and request_id not in aborted:
-        aborted.append(request_id)
-        control = pb_utils.InferenceRequest(
+class CancellationForwarder:
+    """Asks a3b_llm to abort the generation behind a cancelled ensemble stream
+    (once), since Triton 2.51 does not pass the cancellation on. Whether a
+    request was cancelled is a round trip to the server, and a stream's steps
+    come every few milliseconds, so each stream is asked about at most every
+    `poll_s`."""
+
+    def __init__(self, pb_utils: Any, poll_s: float = 0.1, remembered: int = 4096):
+        self._pb_utils, self._poll_s, self._remembered = pb_utils, poll_s, remembered
+        self._next_poll: OrderedDict[str, float] = OrderedDict()
+        self._aborted: deque = deque(maxlen=remembered)
+
+    def poll_due(self, request_id: str, now: float) -> bool:
+        if not request_id or request_id in self._aborted or self._next_poll.get(request_id, 0.0) > now:
+            return False
+        self._next_poll[request_id] = now + self._poll_s
+        self._next_poll.move_to_end(request_id)
+        if len(self._next_poll) > self._remembered:
+            self._next_poll.popitem(last=False)
+        return True
+
+    def check(self, request: Any, tensors: Mapping[str, np.ndarray]) -> None:
+        request_id = string_value(tensors, contract.REQUEST_ID)
+        if not self.poll_due(request_id, time.monotonic()) or not request.is_cancelled():
+            return
+        self._aborted.append(request_id)
+        control = self._pb_utils.InferenceRequest(
             model_name=contract.LLM_MODEL, requested_output_names=[],
-            inputs=[pb_utils.Tensor(contract.ABORT_REQUEST_ID, string_tensor(request_id))],
+            inputs=[self._pb_utils.Tensor(contract.ABORT_REQUEST_ID, string_tensor(request_id))],
         )
         for _ in control.exec(decoupled=True):
             pass
-    return True

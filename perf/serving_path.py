@@ -34,6 +34,8 @@ from a3b_backend.bench import perf_report, server_process  # noqa: E402
 from a3b_backend.profiles import get_profile  # noqa: E402
 
 TOKEN_SOURCE = ROOT / "perf" / "token_source" / "model.py"
+# real text the token source replays: the GNU GPL v3 as Debian and Ubuntu ship it
+SOURCE_TEXT = Path("/usr/share/common-licenses/GPL-3")
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PROMPT = "Summarize the GNU General Public License in one paragraph."
 # the processes whose CPU is reported, by what their command line holds
@@ -45,6 +47,8 @@ class Level:
     concurrency: int
     requests: int
     errors: int
+    # requests whose streamed pieces do not join into the passage the source replayed
+    mangled: int
     tokens_per_s: float
     responses_per_s: float
     offered_tokens_per_s: float
@@ -71,6 +75,14 @@ def input_file(path: Path, tokens: int) -> Path:
     return path
 
 
+def replayed_text(model_dir: Path) -> str:
+    """The token source's text as its token ids decode (every stream replays a passage of it)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return tokenizer.decode(tokenizer(SOURCE_TEXT.read_text())["input_ids"], clean_up_tokenization_spaces=False)
+
+
 def role_cpu(server: server_process.Server) -> dict[str, float]:
     """CPU seconds so far of the server and of each stub (by the model it serves)."""
     import psutil
@@ -93,25 +105,35 @@ def client_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_level(server, concurrency: int, tokens: int, interval_ms: float, epoch_ns: int, work: Path) -> Level:
+def run_level(server, concurrency: int, tokens: int, interval_ms: float, epoch_ns: int, work: Path,
+              source_text: str, attempts: int = 3) -> Level:
     export = work / f"c{concurrency}.json"
-    export.unlink(missing_ok=True)
-    per_window = max(32, 2 * concurrency)
     cmd = ["bash", str(ROOT / "scripts" / "perf_analyzer.sh"), "-m", "ensemble", "-u", server.grpc_url,
            "-i", "grpc", "--streaming", "--async", "--input-data", str(input_file(work / "input.json", tokens)),
            "--concurrency-range", str(concurrency), "--measurement-mode", "count_windows",
-           "--measurement-request-count", str(per_window), "--stability-percentage", "999", "--max-trials", "3",
-           "--profile-export-file", str(export)]
-    before, client_before, started = role_cpu(server), client_cpu(), time.monotonic()
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    wall = time.monotonic() - started
-    after, client_after = role_cpu(server), client_cpu()
-    if done.returncode != 0:
-        raise SystemExit(f"perf_analyzer failed at concurrency {concurrency}:\n"
-                         f"{done.stdout[-3000:]}{done.stderr[-2000:]}")
+           "--measurement-request-count", str(max(8, 2 * concurrency)), "--stability-percentage", "999",
+           "--max-trials", "3", "--profile-export-file", str(export)]
+    for attempt in range(1, attempts + 1):
+        export.unlink(missing_ok=True)
+        before, client_before, started = role_cpu(server), client_cpu(), time.monotonic()
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        wall = time.monotonic() - started
+        after, client_after = role_cpu(server), client_cpu()
+        if done.returncode != 0:
+            raise SystemExit(f"perf_analyzer failed at concurrency {concurrency}:\n"
+                             f"{done.stdout[-3000:]}{done.stderr[-2000:]}")
+        try:
+            measured = json.loads(export.read_text())
+            break
+        except json.JSONDecodeError as err:
+            # seen now and then: perf_analyzer exits 0 with its export cut short
+            print(f"concurrency {concurrency}, attempt {attempt}: export unreadable ({err}; "
+                  f"{export.stat().st_size} bytes); running the level again", file=sys.stderr)
+    else:
+        raise SystemExit(f"perf_analyzer wrote no readable export at concurrency {concurrency} in {attempts} runs")
     cores = {role: (after[role] - before[role]) / wall for role in ROLES}
     cores["client (perf_analyzer)"] = (client_after - client_before) / wall
-    return summarize(json.loads(export.read_text()), concurrency, tokens, interval_ms, epoch_ns, cores)
+    return summarize(measured, concurrency, tokens, interval_ms, epoch_ns, cores, source_text)
 
 
 def output_value(out: dict, name: str) -> float:
@@ -121,9 +143,9 @@ def output_value(out: dict, name: str) -> float:
 
 
 def summarize(export: dict, concurrency: int, tokens: int, interval_ms: float, epoch_ns: int,
-              cores: dict[str, float]) -> Level:
+              cores: dict[str, float], source_text: str) -> Level:
     [experiment] = export["experiments"]
-    lateness, token_count, responses, errors = [], 0, 0, 0
+    lateness, token_count, responses, errors, mangled = [], 0, 0, 0, 0
     starts, ends = [], []
     for req in experiment["requests"]:
         outputs = [o for o in req.get("response_outputs", []) if o and "cumulative_logprob" in o]
@@ -131,6 +153,8 @@ def summarize(export: dict, concurrency: int, tokens: int, interval_ms: float, e
             errors += 1
             continue
         starts.append(int(req["timestamp"]))
+        text = "".join(perf_report.bytes_text(o.get("text_output", "")) for o in outputs)
+        mangled += text not in source_text
         ends.append(int(req["response_timestamps"][-1]))
         for stamp, out in zip(req["response_timestamps"], req["response_outputs"]):
             if not out or "cumulative_logprob" not in out:
@@ -140,7 +164,7 @@ def summarize(export: dict, concurrency: int, tokens: int, interval_ms: float, e
             due_ns = epoch_ns + output_value(out, "cumulative_logprob") * 1e9
             lateness.append((int(stamp) - due_ns) / 1e6)
     span_s = (max(ends) - min(starts)) / 1e9
-    return Level(concurrency=concurrency, requests=len(starts), errors=errors,
+    return Level(concurrency=concurrency, requests=len(starts), errors=errors, mangled=mangled,
                  tokens_per_s=token_count / span_s, responses_per_s=responses / span_s,
                  offered_tokens_per_s=concurrency * 1000 / interval_ms,
                  lateness_ms={p: float(np.percentile(lateness, p)) for p in (50, 99)}, cores=cores)
@@ -149,13 +173,14 @@ def summarize(export: dict, concurrency: int, tokens: int, interval_ms: float, e
 def markdown(levels: list[Level]) -> str:
     roles = list(levels[0].cores)
     header = ["streams", "offered tok/s", "delivered tok/s", "responses/s", "lateness ms p50 / p99", "errors",
+              "texts not intact",
               *(f"cores: {r}" for r in roles)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for lv in levels:
         lines.append("| " + " | ".join([
             str(lv.concurrency), f"{lv.offered_tokens_per_s:.0f}", f"{lv.tokens_per_s:.0f}",
             f"{lv.responses_per_s:.0f}",
-            f"{lv.lateness_ms[50]:.1f} / {lv.lateness_ms[99]:.1f}", str(lv.errors),
+            f"{lv.lateness_ms[50]:.1f} / {lv.lateness_ms[99]:.1f}", str(lv.errors), str(lv.mangled),
             *(f"{lv.cores[r]:.2f}" for r in roles)]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -195,38 +220,46 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=CONCURRENCIES)
     parser.add_argument("--tokens", type=int, default=64, help="tokens per stream")
     parser.add_argument("--interval-ms", type=float, default=12.5, help="the token source's step")
+    parser.add_argument("--no-coalesce", action="store_true",
+                        help="the source sends one response per token even when behind (a3b_llm does not)")
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "serving_path")
-    parser.add_argument("--label", default="", help="what this run measures, for the report's title")
     args = parser.parse_args(argv)
     if not (ROOT / ".venv-perf" / "bin" / "perf_analyzer").exists():
         raise SystemExit("perf_analyzer is not installed: run make perf-tools")
     args.out.mkdir(parents=True, exist_ok=True)
     epoch_ns = time.time_ns()
+    source_text = replayed_text(get_profile().resolve_model_dir(ROOT))
     with tempfile.TemporaryDirectory(prefix="a3b-serving-path-") as tmp:
         work = Path(tmp)
         env = {"A3B_MODEL_REPOSITORY": str(build_repository(work)),
                "A3B_MODEL_DIR": str(get_profile().resolve_model_dir(ROOT)),
-               "A3B_TOKEN_SOURCE_EPOCH_NS": str(epoch_ns), "A3B_TOKEN_SOURCE_INTERVAL_MS": str(args.interval_ms)}
+               "A3B_TOKEN_SOURCE_TEXT": str(SOURCE_TEXT), "A3B_TOKEN_SOURCE_EPOCH_NS": str(epoch_ns),
+               "A3B_TOKEN_SOURCE_INTERVAL_MS": str(args.interval_ms),
+               "A3B_TOKEN_SOURCE_COALESCE": "0" if args.no_coalesce else "1"}
         print("starting tritonserver with the token source as a3b_llm ...", flush=True)
         server = server_process.start(work / "tritonserver.log", env)
         levels = []
         try:
             for concurrency in tqdm(args.concurrency, desc="serving path", unit="level"):
-                levels.append(run_level(server, concurrency, args.tokens, args.interval_ms, epoch_ns, work))
+                levels.append(run_level(server, concurrency, args.tokens, args.interval_ms, epoch_ns, work,
+                                        source_text))
                 tqdm.write(markdown(levels[-1:]).splitlines()[-1])
         finally:
             server.stop()
-    title = "Serving path without the engine" + (f": {args.label}" if args.label else "")
+    sending = "one response per token" if args.no_coalesce else "a stream's tokens due meanwhile in one response"
+    title = f"Serving path without the engine ({sending})"
     plot(levels, args.out / "serving_path.png", title)
     (args.out / "serving_path.json").write_text(json.dumps(
         {"machine": perf_report.machine(), "tokens_per_stream": args.tokens, "interval_ms": args.interval_ms,
+         "coalesce": not args.no_coalesce,
          "levels": [asdict(lv) for lv in levels]}, indent=1))
     report = args.out / "serving_path.md"
     report.write_text(
         f"# {title}\n\nMachine: {perf_report.machine()}; client and server share it. Command: `make "
         f"bench-serving-path` (perf/serving_path.py): tritonserver with our preprocessing, postprocessing and "
         f"`ensemble`, a3b_llm replaced by perf/token_source ({args.interval_ms} ms steps, one token per stream "
-        f"per step, {args.tokens} tokens per stream); perf_analyzer streams over gRPC. Lateness: arrival at the "
+        f"per step, {args.tokens} tokens per stream; {sending}); perf_analyzer streams over gRPC. "
+        f"Lateness: arrival at the "
         f"client minus the token's scheduled step. Cores: CPU seconds per second of each level's run.\n\n"
         f"{markdown(levels)}\n![plots](serving_path.png)\n")
     print(markdown(levels))

@@ -122,8 +122,8 @@ def test_report_metrics_from_a_perf_analyzer_export():
 
 
 def test_report_reads_length_prefixed_bytes_outputs():
-    assert perf_report._bytes_text(b"\x05\x00\x00\x00hello") == "hello"
-    assert perf_report._bytes_text("plain") == "plain"
+    assert perf_report.bytes_text(b"\x05\x00\x00\x00hello") == "hello"
+    assert perf_report.bytes_text("plain") == "plain"
 
 
 def test_report_counts_failed_requests_apart():

@@ -1,9 +1,12 @@
 """postprocessing on hand-made engine steps (no Triton, no engine)."""
 import json
+import math
 
 import numpy as np
 
+from a3b_backend.generation import Step, request_arrays, step_arrays
 from a3b_backend.postprocess import step_outputs
+from a3b_backend.triton_io import CancellationForwarder
 
 
 def step(tokenizer, context, new, finish="", stop_reason="", echo="", stop=()):
@@ -35,3 +38,28 @@ def test_final_step_cuts_the_stop_string(tokenizer):
     ids = tokenizer.encode("yes END", add_special_tokens=False)
     out = step_outputs(step(tokenizer, ids[:1], ids[1:], finish="stop", stop_reason="END", stop=("END",)), tokenizer)
     assert out["text_output"][0].decode() == " "
+
+
+def test_steps_as_a3b_llm_sends_them(tokenizer):
+    """a3b_llm leaves out the optional step tensors that hold nothing; postprocessing reads what is sent."""
+    ids = tokenizer.encode(" Paris is big.", add_special_tokens=False)
+    per_request = request_arrays(json.dumps({"returns": {"return_cumulative_logprob": True}}), "r1")
+    pieces = []
+    for k in range(len(ids)):
+        final = k == len(ids) - 1
+        arrays = step_arrays(Step(ids[k:k + 1], ids[max(0, k - 8):k], "length" if final else "", "", math.nan,
+                                  [], "", 3, 1), per_request)
+        assert ("context_ids" in arrays) == (k > 0) and ("finish_reason" in arrays) == final
+        assert not {"stop_reason", "cumulative_logprob", "token_logprobs", "logprobs", "content_text"} & set(arrays)
+        out = step_outputs(arrays, tokenizer)
+        assert np.isnan(out["cumulative_logprob"][0])
+        pieces.append(out["text_output"][0].decode())
+    assert "".join(pieces) == " Paris is big."
+
+
+def test_cancellation_is_polled_at_most_every_poll_s_per_stream():
+    forwarder = CancellationForwarder(pb_utils=None, poll_s=0.1, remembered=2)
+    assert forwarder.poll_due("a", 10.0) and not forwarder.poll_due("a", 10.05) and forwarder.poll_due("a", 10.11)
+    assert forwarder.poll_due("b", 10.05) and not forwarder.poll_due("", 10.05)
+    assert forwarder.poll_due("c", 10.06)  # remembers two streams: "a" is forgotten, so due again
+    assert forwarder.poll_due("a", 10.07)

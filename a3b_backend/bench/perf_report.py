@@ -64,7 +64,7 @@ TABLE_HEADER = ["input", "load", "requests", "errors", "TTFT ms p50/p90/p99", "I
                 "e2e ms p50/p90/p99", "output tok/s", "req/s", "output tokens/req"]
 
 
-def _bytes_text(value: Any) -> str:
+def bytes_text(value: Any) -> str:
     """perf_analyzer writes a BYTES output as the raw tensor: a 4-byte length
     prefix before the UTF-8 text when it is not valid text as it stands."""
     if isinstance(value, str):
@@ -86,7 +86,7 @@ def records_from_export(export: dict[str, Any]) -> list[LoadLevel]:
             stamps, texts = [], []
             outputs = req.get("response_outputs", [{}] * len(req["response_timestamps"]))
             for ts, out in zip(req["response_timestamps"], outputs):
-                text = _bytes_text(out.get("text_output", "")) if out else ""
+                text = bytes_text(out.get("text_output", "")) if out else ""
                 if text:
                     stamps.append(int(ts))
                     texts.append(text)

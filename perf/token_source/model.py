@@ -4,14 +4,16 @@ postprocessing -> client) is measured without an engine.
 
 It behaves like an engine producing one token per step for every running
 stream: a step every $A3B_TOKEN_SOURCE_INTERVAL_MS (12.5 ms: 80 tokens/s per
-stream), each step sending the next token of every stream that has joined,
-real token ids of real text with the context window a3b_llm sends. Steps keep
-an absolute schedule: when the source falls behind, its steps run late and
-their tokens keep their scheduled time, so a backlog shows as lateness. Each
-response's `cumulative_logprob` carries its step's scheduled time in seconds
-after $A3B_TOKEN_SOURCE_EPOCH_NS (wall clock, as perf_analyzer stamps
-responses; client and server share the machine's clock); the benchmark asks
-for it and compares it with arrival."""
+stream), token ids of the text file $A3B_TOKEN_SOURCE_TEXT, each stream a
+passage of its own, sent with the context window a3b_llm sends. Steps keep
+an absolute schedule: when sending falls behind, the steps due meanwhile keep
+their scheduled times, so a backlog shows as lateness. As in a3b_llm, where
+vLLM merges a stream's outputs while our loop is busy sending (its
+RequestOutputCollector), a stream's tokens due meanwhile go out in one
+response; $A3B_TOKEN_SOURCE_COALESCE=0 sends one response per token instead.
+Each response's `cumulative_logprob` carries its first token's scheduled time
+in seconds after $A3B_TOKEN_SOURCE_EPOCH_NS (wall clock, as perf_analyzer
+stamps responses; client and server share the machine's clock)."""
 from a3b_backend import triton_io
 
 triton_io.use_utf8_locale()
@@ -34,8 +36,6 @@ from a3b_backend.triton_io import string_value  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INPUT_NAMES = contract.names(contract.LLM_INPUTS)
-# real text: the GNU GPL v3 as Debian and Ubuntu ship it
-TEXT = Path("/usr/share/common-licenses/GPL-3")
 
 
 @dataclass
@@ -46,13 +46,15 @@ class Stream:
     prompt_tokens: int
     per_request: dict
     sent: int = 0
+    next_due_ns: int | None = None  # its next token's step; set by the first step after it joined
 
 
 class TritonPythonModel:
     def initialize(self, args):
         tokenizer = triton_io.load_tokenizer(args)
-        self.text_ids = tokenizer(TEXT.read_text())["input_ids"]
+        self.text_ids = tokenizer(Path(os.environ["A3B_TOKEN_SOURCE_TEXT"]).read_text())["input_ids"]
         self.interval_ns = int(float(os.environ.get("A3B_TOKEN_SOURCE_INTERVAL_MS", "12.5")) * 1e6)
+        self.coalesce = os.environ.get("A3B_TOKEN_SOURCE_COALESCE", "1") == "1"
         self.epoch_ns = int(os.environ.get("A3B_TOKEN_SOURCE_EPOCH_NS", time.time_ns()))
         # steps are scheduled on the monotonic clock and reported on the wall clock
         self.wall_minus_monotonic_ns = time.time_ns() - time.monotonic_ns()
@@ -66,7 +68,7 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
-            tensors = triton_io.read_inputs(pb_utils, request, INPUT_NAMES)
+            tensors = triton_io.read_inputs(request, INPUT_NAMES)
             if contract.ABORT_REQUEST_ID in tensors:
                 sender.send(flags=FINAL)
                 continue
@@ -94,23 +96,29 @@ class TritonPythonModel:
             delay = (due - time.monotonic_ns()) / 1e9
             if delay > 0:
                 await asyncio.sleep(delay)
+            if self.coalesce:  # every step due by now
+                due += (time.monotonic_ns() - due) // self.interval_ns * self.interval_ns
             self.streams = [s for s in self.streams if self._emit(s, due)]
             due += self.interval_ns
 
-    def _emit(self, stream: Stream, due_ns: int) -> bool:
-        """Sends the stream's next token; False once it has sent its last."""
+    def _emit(self, stream: Stream, last_due_ns: int) -> bool:
+        """Sends the stream's tokens due up to `last_due_ns`; False once it has sent its last."""
         if stream.sender.is_cancelled():
             stream.sender.send(flags=FINAL)
             return False
+        if stream.next_due_ns is None:
+            stream.next_due_ns = last_due_ns
         k = stream.sent
-        final = k + 1 == len(stream.token_ids)
-        step = Step(token_ids=stream.token_ids[k:k + 1],
+        count = min((last_due_ns - stream.next_due_ns) // self.interval_ns + 1, len(stream.token_ids) - k)
+        final = k + count == len(stream.token_ids)
+        step = Step(token_ids=stream.token_ids[k:k + count],
                     context_ids=stream.token_ids[max(0, k - stream.context_tokens):k],
                     finish_reason="length" if final else "", stop_reason="",
-                    cumulative_logprob=(due_ns + self.wall_minus_monotonic_ns - self.epoch_ns) / 1e9,
+                    cumulative_logprob=(stream.next_due_ns + self.wall_minus_monotonic_ns - self.epoch_ns) / 1e9,
                     token_logprobs=[], logprobs_json="",
-                    num_input_tokens=stream.prompt_tokens, num_output_tokens=1)
+                    num_input_tokens=stream.prompt_tokens, num_output_tokens=count)
         stream.sender.send(triton_io.response(pb_utils, step_arrays(step, stream.per_request)),
                            flags=FINAL if final else 0)
-        stream.sent += 1
+        stream.sent += count
+        stream.next_due_ns += count * self.interval_ns
         return not final

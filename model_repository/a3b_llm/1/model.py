@@ -50,7 +50,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                tensors = triton_io.read_inputs(pb_utils, request, INPUT_NAMES)
+                tensors = triton_io.read_inputs(request, INPUT_NAMES)
                 if contract.ABORT_REQUEST_ID in tensors:
                     self.host.submit_abort(string_value(tensors, contract.ABORT_REQUEST_ID))
                     sender.send(flags=FINAL)

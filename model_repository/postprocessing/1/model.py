@@ -1,6 +1,4 @@
 """postprocessing: one a3b_llm step -> text (UTF-8 safe, stateless) and the requested fields."""
-from collections import deque
-
 from a3b_backend import triton_io
 
 triton_io.use_utf8_locale()
@@ -16,10 +14,10 @@ INPUT_NAMES = names(POSTPROCESS_INPUTS)
 class TritonPythonModel:
     def initialize(self, args):
         self.tokenizer = triton_io.load_tokenizer(args)
-        self.aborted = deque(maxlen=4096)
+        self.cancellation = triton_io.CancellationForwarder(pb_utils)
 
     def execute(self, requests):
         return triton_io.respond_each(
             pb_utils, requests, INPUT_NAMES, lambda tensors: step_outputs(tensors, self.tokenizer), "postprocessing",
-            cancelled=self.aborted,
+            cancellation=self.cancellation,
         )
