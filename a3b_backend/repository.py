@@ -82,8 +82,8 @@ def render() -> dict[str, str]:
         # One instance keeps the pieces of a stream in engine order. No
         # dynamic batching: Triton's batcher answers a cancelled request
         # itself, so postprocessing would never see an ensemble client's
-        # cancellation to pass on, and Triton 2.51 then keeps that ensemble
-        # request in flight for good.
+        # cancellation to pass on to a3b_llm (with it,
+        # test_cancelled_ensemble_streams_abort_the_engine fails).
         "postprocessing": _python_model("postprocessing", contract.POSTPROCESS_INPUTS, contract.TEXT_OUTPUTS,
                                         decoupled=False, instance_kind="KIND_CPU", count=1),
         "ensemble": _ensemble(),

@@ -80,8 +80,8 @@ def test_choice_regex_and_any_json(server):
     assert answer(server, structured_request(CAPITAL, choice=choices)) in choices
     assert answer(server, structured_request(CAPITAL, ("regex", "[A-Z][a-z]+ [0-9]{3}"))).count(" ") == 1
     assert re.fullmatch(r"[A-Z][a-z]+ [0-9]{3}", answer(server, structured_request(CAPITAL, regex="[A-Z][a-z]+ [0-9]{3}")))
-    text = answer(server, structured_request('Reply with a JSON object {"answer": ...} holding the capital of France.',
-                                             ("json", "")))
+    # any JSON has no length bound: a prompt the default model's greedy answer closes within max_tokens
+    text = answer(server, structured_request("What is the capital of France? Answer in JSON.", ("json", "")))
     assert isinstance(json.loads(text), dict), text
 
 
