@@ -89,7 +89,7 @@ def load_tokenizer(args: Mapping[str, str]) -> Any:
 
 def respond_each(pb_utils: Any, requests: Iterable[Any], input_names: Iterable[str],
                  handle: Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]], stage: str,
-                 cancellation: "CancellationForwarder | None" = None) -> list[Any]:
+                 cancellation: CancellationForwarder | None = None) -> list[Any]:
     """One response per request; a failure answers that request and no other.
     With `cancellation`, client cancellation is forwarded upstream."""
     names = tuple(input_names)

@@ -36,6 +36,8 @@ from a3b_backend.triton_io import string_value  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INPUT_NAMES = contract.names(contract.LLM_INPUTS)
+# tokens between the starts of successive streams' passages (prime, so passages rarely repeat)
+PASSAGE_STRIDE = 997
 
 
 @dataclass
@@ -74,9 +76,8 @@ class TritonPythonModel:
                 continue
             sampling = json.loads(string_value(tensors, "sampling_parameters") or "{}")
             count = int(sampling.get("max_tokens", 16))
-            # every stream replays its own stretch of the text
             start = self.next_offset % (len(self.text_ids) - count)
-            self.next_offset += 997
+            self.next_offset += PASSAGE_STRIDE
             stream = Stream(sender, self.text_ids[start:start + count], DecodeRule.from_params(sampling).context_tokens,
                             int(tensors["input_ids"].size),
                             request_arrays(string_value(tensors, contract.POSTPROCESS_CONFIG), uuid.uuid4().hex))
