@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from a3b_backend.quant import calibrate
 from a3b_backend.quant.baselines import RtnConfig, quantize_dequantize
+from a3b_backend.quant.convert import fold_norm_scale
 from a3b_backend.quant.format import A3BConfig, dequantize, quantize
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,8 +84,12 @@ def perplexity(model, ids: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def apply_variant(model, originals, stats, variant: Variant) -> dict:
+def apply_variant(model, originals, stats, variant: Variant, stored_dtype: torch.dtype) -> dict:
+    """Quantizes the model's linears in place. AWQ scales are applied as the
+    converter stores them: the linears keep the scaled weights and each
+    RMSNorm is divided by its scale in the checkpoint's dtype."""
     linears = calibrate.quantized_linears(model)
+    params = dict(model.named_parameters())
     scales: dict[str, torch.Tensor] = {}
     if variant.aware:
         quant_dequant = lambda w, importance: variant.run(w, importance)[0]  # noqa: E731
@@ -92,6 +97,8 @@ def apply_variant(model, originals, stats, variant: Variant) -> dict:
                                   unit="group", leave=False):
             s = calibrate.choose_scale([originals[m] for m in members], stats[members[0]], quant_dequant)
             scales.update({m: s for m in members})
+            weight = params[f"{norm}.weight"]
+            weight.copy_(fold_norm_scale(weight.to(stored_dtype), s, zero_centred=False).float())
     nbytes, weights, rel_errors = 0, 0, []
     for name, module in tqdm(linears.items(), desc=variant.name, unit="linear", leave=False):
         w = originals[name]
@@ -100,25 +107,24 @@ def apply_variant(model, originals, stats, variant: Variant) -> dict:
         if variant.aware:
             importance = stats[name].importance if scale is None else stats[name].importance / scale**2
         deq, size = variant.run(w if scale is None else w * scale, importance)
-        if scale is not None:
-            deq = deq / scale
         module.weight.copy_(deq.to(module.weight.dtype))
         nbytes += size
         weights += w.numel()
-        rel_errors.append(((deq - w).norm() / w.norm()).item())
+        # the weight error is taken against the source, in its own scale
+        rel_errors.append(((deq if scale is None else deq / scale) - w).norm().item() / w.norm().item())
     return {"bits_per_weight": 8 * nbytes / weights, "quantized_bytes": nbytes,
             "weight_error": sum(rel_errors) / len(rel_errors)}
 
 
 def main(argv: list[str] | None = None) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=ROOT / "models" / "smollm2-135m-instruct")
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "quality")
     parser.add_argument("--eval-tokens", type=int, default=8192)
     parser.add_argument("--calibration-tokens", type=int, default=2048)
-    parser.add_argument("--only", nargs="*", help="variant names to run (default: all)")
+    parser.add_argument("--only", nargs="*", help="variant names to run, replacing their saved rows (default: all)")
     parser.add_argument("--report-only", action="store_true", help="redraw the report from OUT/results.json")
     args = parser.parse_args(argv)
     if args.report_only:
@@ -134,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     stats = calibrate.collect(model, calib_ids, SEQ_LEN)
     linears = calibrate.quantized_linears(model)
     originals = {n: m.weight.detach().clone() for n, m in linears.items()}
+    norms = {f"{norm}.weight" for norm in calibrate.groups(list(linears))}
+    params = dict(model.named_parameters())
+    norm_originals = {n: params[n].detach().clone() for n in norms}
+    stored_dtype = AutoConfig.from_pretrained(args.model).dtype
     other_bytes = sum(p.numel() * 2 for n, p in model.named_parameters()
                       if n.removesuffix(".weight") not in linears)
     rows = []
@@ -144,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             result = {"bits_per_weight": 16.0, "quantized_bytes": sum(w.numel() * 2 for w in originals.values()),
                       "weight_error": 0.0}
         else:
-            result = apply_variant(model, originals, stats, variant)
+            result = apply_variant(model, originals, stats, variant, stored_dtype)
         result.update(name=variant.name, family=variant.family, aware=variant.aware,
                       perplexity=perplexity(model, eval_ids), file_bytes=other_bytes + result["quantized_bytes"],
                       seconds=round(time.time() - start, 1))
@@ -152,8 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         tqdm.write(json.dumps(result))
         for name, module in linears.items():
             module.weight.copy_(originals[name])
+        for name, weight in norm_originals.items():
+            params[name].detach().copy_(weight)
     meta = dict(tokenizer_name=args.model.name, eval_tokens=eval_ids.numel(), calib_tokens=calib_ids.numel())
     args.out.mkdir(parents=True, exist_ok=True)
+    saved = args.out / "results.json"
+    if args.only and saved.exists():  # the other variants' rows stay as last measured
+        fresh = {r["name"]: r for r in rows}
+        rows = [fresh.pop(r["name"], r) for r in json.loads(saved.read_text())] + list(fresh.values())
     (args.out / "run.json").write_text(json.dumps(meta))
     write_report(rows, args, **meta)
     return 0
@@ -194,7 +210,8 @@ def write_report(rows: list[dict], args, tokenizer_name: str, eval_tokens: int, 
         "size but an integer zero-point, so it does not reproduce the old grid exactly (see its row).", "",
         "`+ calib`: activation-aware (importance-weighted fit for every layer; AWQ scales for q/k/v and gate/up, "
         "alpha searched per layer group for the lowest output error, folded into their RMSNorm). `+ AWQ`: AWQ "
-        "scales searched the same way for RTN, then plain RTN.", "",
+        "scales searched the same way for RTN, then plain RTN. Both as the converter stores them: the linears "
+        "keep the scaled weights and each RMSNorm is divided by its scale in the checkpoint's dtype.", "",
         "| variant | bits/weight (measured) | perplexity | delta vs bf16 | mean rel. weight error | file size (MB) |",
         "|---|---|---|---|---|---|",
     ]
