@@ -6,6 +6,8 @@ import dataclasses
 import numpy as np
 import torch
 
+from a3b_backend.quant.format import ceil_div
+
 
 @dataclasses.dataclass(frozen=True)
 class RtnConfig:
@@ -14,7 +16,9 @@ class RtnConfig:
 
 
 def quantize_dequantize(w: torch.Tensor, config: RtnConfig) -> tuple[torch.Tensor, int]:
-    """Returns (dequantized W, bytes on disk: packed codes + fp16 scale and zero per group)."""
+    """Returns (dequantized W, bytes on disk: packed codes, an fp16 scale per
+    group and its integer zero-point packed at `bits` bits, as GPTQ / AWQ
+    checkpoints store them)."""
     out, inp = w.shape
     pad = (-inp) % config.group
     wp = torch.nn.functional.pad(w.detach().float(), (0, pad))
@@ -28,5 +32,6 @@ def quantize_dequantize(w: torch.Tensor, config: RtnConfig) -> tuple[torch.Tenso
     # Stored without the padding: a partial last group costs only its scale and zero.
     stored = codes.reshape(out, -1)[:, :inp].to(torch.int64).numpy()
     packed = np.packbits(((stored[..., None] >> np.arange(config.bits)) & 1).astype(np.uint8))
-    nbytes = packed.nbytes + 2 * 2 * g.shape[0]
+    groups = g.shape[0]
+    nbytes = packed.nbytes + 2 * groups + ceil_div(groups * config.bits, 8)
     return deq, nbytes
