@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from a3b_backend.bench import loadgen, perf_report  # noqa: E402
+from a3b_backend.bench import loadgen, perf_analyzer, perf_report  # noqa: E402
 from a3b_backend.profiles import get_profile  # noqa: E402
 
 PROMPT = "Write one sentence about the sea."
@@ -40,20 +39,19 @@ def request_values(output_tokens: int) -> dict:
 
 def perf_analyzer_level(url: str, model: str, concurrency: int, output_tokens: int, requests: int,
                         workdir: Path) -> perf_report.LoadLevel | None:
-    tool = ROOT / "scripts" / "perf_analyzer.sh"
     if not (ROOT / ".venv-perf" / "bin" / "perf_analyzer").exists():
         print("perf_analyzer not installed (make perf-tools): skipping its run")
         return None
     data = workdir / "input.json"
     data.write_text(json.dumps({"data": [{k: [v] for k, v in request_values(output_tokens).items()}]}))
     export = workdir / f"pa_c{concurrency}.json"
-    cmd = ["bash", str(tool), "-m", model, "-u", url, "-i", "grpc", "--streaming", "--async",
+    cmd = ["-m", model, "-u", url, "-i", "grpc", "--streaming", "--async",
            "--input-data", str(data), "--concurrency-range", str(concurrency),
            "--measurement-mode", "count_windows", "--measurement-request-count", str(requests),
-           "--stability-percentage", "999", "--max-trials", "3", "--profile-export-file", str(export)]
-    print("$", " ".join(cmd[1:]), flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=900)
-    [level] = perf_report.records_from_export(json.loads(export.read_text()))
+           "--stability-percentage", "999", "--max-trials", "3"]
+    print("$", " ".join(perf_analyzer.command(cmd, export)[1:]), flush=True)
+    [level] = perf_report.records_from_export(perf_analyzer.run(cmd, export, workdir / f"pa_c{concurrency}.log",
+                                                                timeout_s=900))
     level.source = "perf_analyzer"
     return level
 

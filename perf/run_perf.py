@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import json
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from a3b_backend.bench import perf_inputs, perf_report  # noqa: E402
+from a3b_backend.bench import perf_analyzer, perf_inputs, perf_report  # noqa: E402
 from a3b_backend.profiles import Profile, get_profile  # noqa: E402
 
 
@@ -49,15 +48,14 @@ def runs(profile: Profile) -> list[Run]:
     return out
 
 
-def perf_analyzer_args(profile: Profile, run: Run, input_file: Path, exports: Path) -> list[str]:
+def perf_analyzer_args(profile: Profile, run: Run, input_file: Path) -> list[str]:
     return ["-i", "grpc", "--streaming", "--async", "--input-data", str(input_file), *run.load,
             "--measurement-mode", "count_windows",
             "--measurement-request-count", str(profile.perf.requests_per_window),
             # three windows per load level, accepted as they come: LLM latencies
             # on a busy CPU rarely meet the default 10% stability criterion
             # (perf_analyzer needs 3 windows to judge, and with 1 writes no export)
-            "--stability-percentage", "999", "--max-trials", str(profile.perf.windows),
-            "--profile-export-file", str(exports / f"{run.stem}.json")]
+            "--stability-percentage", "999", "--max-trials", str(profile.perf.windows)]
 
 
 def run_inputs(plan: list[Run], inputs: Path, exports: Path) -> dict[str, Path]:
@@ -94,23 +92,18 @@ def main(argv: list[str] | None = None) -> None:
     perf_inputs.main(["--profile", profile.name, "--out", str(inputs)])
     plan = runs(profile)
     input_files = run_inputs(plan, inputs, exports)
-    commands = [(run.stem, perf_analyzer_args(profile, run, input_files[run.stem], exports)) for run in plan]
-    tool = ROOT / "scripts" / "perf_analyzer.sh"
+    commands = [(run.stem, ["-m", args.model, "-u", args.url, *perf_analyzer_args(profile, run, input_files[run.stem])])
+                for run in plan]
     if args.dry_run:
-        for _, cmd in commands:
-            print(shlex.join([str(tool), "-m", args.model, "-u", args.url, *cmd]))
+        for stem, cmd in commands:
+            print(shlex.join(perf_analyzer.command(cmd, exports / f"{stem}.json")[1:]))
         return
     started = time.monotonic()
     for stem, cmd in tqdm(commands, desc=f"perf_analyzer ({profile.name})", unit="run"):
-        # perf_analyzer refuses an export file that exists: a rerun replaces the last one
-        (exports / f"{stem}.json").unlink(missing_ok=True)
-        log = exports / f"{stem}.log"
-        with open(log, "w") as fh:
-            done = subprocess.run(["bash", str(tool), "-m", args.model, "-u", args.url, *cmd],
-                                  stdout=fh, stderr=subprocess.STDOUT)
-        if done.returncode != 0:
-            raise SystemExit(f"perf_analyzer failed for {stem} (exit {done.returncode}); see {log}:\n"
-                             + log.read_text()[-2000:])
+        try:
+            perf_analyzer.run(cmd, exports / f"{stem}.json", exports / f"{stem}.log")
+        except RuntimeError as err:
+            raise SystemExit(f"{stem}: {err}") from None
     count = perf_report.token_counter(profile.resolve_model_dir(ROOT))
     levels = perf_report.load_levels(sorted(exports / f"{run.stem}.json" for run in plan))
     summaries = [perf_report.summarize(level, count) for level in levels]

@@ -17,7 +17,6 @@ import argparse
 import json
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from a3b_backend import contract, repository  # noqa: E402
-from a3b_backend.bench import perf_report, server_process  # noqa: E402
+from a3b_backend.bench import perf_analyzer, perf_report, server_process  # noqa: E402
 from a3b_backend.profiles import get_profile  # noqa: E402
 
 TOKEN_SOURCE = ROOT / "perf" / "token_source" / "model.py"
@@ -106,31 +105,18 @@ def client_cpu() -> float:
 
 
 def run_level(server, concurrency: int, tokens: int, interval_ms: float, epoch_ns: int, work: Path,
-              source_text: str, attempts: int = 3) -> Level:
-    export = work / f"c{concurrency}.json"
-    cmd = ["bash", str(ROOT / "scripts" / "perf_analyzer.sh"), "-m", "ensemble", "-u", server.grpc_url,
-           "-i", "grpc", "--streaming", "--async", "--input-data", str(input_file(work / "input.json", tokens)),
-           "--concurrency-range", str(concurrency), "--measurement-mode", "count_windows",
-           "--measurement-request-count", str(max(8, 2 * concurrency)), "--stability-percentage", "999",
-           "--max-trials", "3", "--profile-export-file", str(export)]
-    for attempt in range(1, attempts + 1):
-        export.unlink(missing_ok=True)
-        before, client_before, started = role_cpu(server), client_cpu(), time.monotonic()
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-        wall = time.monotonic() - started
-        after, client_after = role_cpu(server), client_cpu()
-        if done.returncode != 0:
-            raise SystemExit(f"perf_analyzer failed at concurrency {concurrency}:\n"
-                             f"{done.stdout[-3000:]}{done.stderr[-2000:]}")
-        try:
-            measured = json.loads(export.read_text())
-            break
-        except json.JSONDecodeError as err:
-            # seen now and then: perf_analyzer exits 0 with its export cut short
-            print(f"concurrency {concurrency}, attempt {attempt}: export unreadable ({err}; "
-                  f"{export.stat().st_size} bytes); running the level again", file=sys.stderr)
-    else:
-        raise SystemExit(f"perf_analyzer wrote no readable export at concurrency {concurrency} in {attempts} runs")
+              source_text: str) -> Level:
+    args = ["-m", "ensemble", "-u", server.grpc_url, "-i", "grpc", "--streaming", "--async",
+            "--input-data", str(input_file(work / "input.json", tokens)), "--concurrency-range", str(concurrency),
+            "--measurement-mode", "count_windows", "--measurement-request-count", str(max(8, 2 * concurrency)),
+            "--stability-percentage", "999", "--max-trials", "3"]
+    before, client_before, started = role_cpu(server), client_cpu(), time.monotonic()
+    try:
+        measured = perf_analyzer.run(args, work / f"c{concurrency}.json", work / f"c{concurrency}.log")
+    except RuntimeError as err:
+        raise SystemExit(f"concurrency {concurrency}: {err}") from None
+    wall = time.monotonic() - started
+    after, client_after = role_cpu(server), client_cpu()
     cores = {role: (after[role] - before[role]) / wall for role in ROLES}
     cores["client (perf_analyzer)"] = (client_after - client_before) / wall
     return summarize(measured, concurrency, tokens, interval_ms, epoch_ns, cores, source_text)

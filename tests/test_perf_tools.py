@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from a3b_backend import contract
-from a3b_backend.bench import perf_inputs, perf_report
+from a3b_backend.bench import perf_analyzer, perf_inputs, perf_report
 from a3b_backend.bench.perf_inputs import Corpus, InputError
 from a3b_backend.profiles import PROFILES
 
@@ -147,9 +147,10 @@ def test_perf_plans_stream_with_count_windows_and_never_repeat_a_prompt(tmp_path
         profile = PROFILES[name]
         plan = run_perf.runs(profile)
         for run in plan:
-            args = run_perf.perf_analyzer_args(profile, run, tmp_path / "in.json", tmp_path)
+            args = run_perf.perf_analyzer_args(profile, run, tmp_path / "in.json")
             assert {"--streaming", "--async", "count_windows"} <= set(args), run.stem
-            assert args[args.index("--profile-export-file") + 1] == str(tmp_path / f"{run.stem}.json")
+            command = perf_analyzer.command(args, tmp_path / f"{run.stem}.json")
+            assert command[command.index("--profile-export-file") + 1] == str(tmp_path / f"{run.stem}.json")
         assert sum("_trtllm" in run.stem for run in plan) == len(profile.perf.concurrencies)
         assert all(any(f"len{n}_vllm" in run.stem for run in plan) for n in profile.perf.prompt_lengths)
         for input_name in {run.input_name for run in plan}:
@@ -232,3 +233,16 @@ def test_aiperf_report_sets_the_tools_side_by_side(tmp_path):
     report = bench.write_report(tmp_path, rows, args, ["genai-perf", "AIPerf"]).read_text()
     assert "| TTFT p50 (ms) | 90.0 | 90.0 |" in report and "| ITL p99 (ms) | 300.0 | 300.0 |" in report
     assert (tmp_path / "aiperf_vs_genai_perf.png").stat().st_size > 10_000
+
+
+def test_perf_analyzer_runs_again_when_its_export_is_cut_short(tmp_path, monkeypatch):
+    """A stand-in for scripts/perf_analyzer.sh: refuses an existing export as perf_analyzer does,
+    writes a cut-short export the first time and a whole one the second."""
+    script = tmp_path / "perf_analyzer.sh"
+    script.write_text('export="${@: -1}"; [[ -e "$export" ]] && exit 1\n'
+                      'if [[ -e "$0.ran" ]]; then echo \'{"experiments": []}\' > "$export"; '
+                      'else touch "$0.ran"; printf \'{"experi\' > "$export"; fi\n')
+    monkeypatch.setattr(perf_analyzer, "SCRIPT", script)
+    export = tmp_path / "out.json"
+    export.write_text("stale")
+    assert perf_analyzer.run(["-m", "ensemble"], export, tmp_path / "log") == {"experiments": []}
