@@ -114,30 +114,37 @@ def unavailable_response(pb_utils: Any, message: str) -> Any:
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE))
 
 
-class CancellationForwarder:
-    """Asks a3b_llm to abort the generation behind a cancelled ensemble stream
-    (once), since Triton 2.51 does not pass the cancellation on. Whether a
-    request was cancelled is a round trip to the server, and a stream's steps
-    come every few milliseconds, so each stream is asked about at most every
-    `poll_s`."""
+class PollSchedule:
+    """When to ask Triton again whether a stream was cancelled: each ask is a
+    round trip to the server and a stream's steps come every few
+    milliseconds, so a stream is asked about at most every `poll_s`."""
 
-    def __init__(self, pb_utils: Any, poll_s: float = 0.1, remembered: int = 4096):
-        self._pb_utils, self._poll_s, self._remembered = pb_utils, poll_s, remembered
+    def __init__(self, poll_s: float = 0.1, remembered: int = 4096):
+        self._poll_s, self._remembered = poll_s, remembered
         self._next_poll: OrderedDict[str, float] = OrderedDict()
-        self._aborted: deque = deque(maxlen=remembered)
 
-    def poll_due(self, request_id: str, now: float) -> bool:
-        if not request_id or request_id in self._aborted or self._next_poll.get(request_id, 0.0) > now:
+    def due(self, stream_id: str, now: float) -> bool:
+        if self._next_poll.get(stream_id, 0.0) > now:
             return False
-        self._next_poll[request_id] = now + self._poll_s
-        self._next_poll.move_to_end(request_id)
+        self._next_poll[stream_id] = now + self._poll_s
+        self._next_poll.move_to_end(stream_id)
         if len(self._next_poll) > self._remembered:
             self._next_poll.popitem(last=False)
         return True
 
+
+class CancellationForwarder:
+    """Asks a3b_llm to abort the generation behind a cancelled ensemble stream
+    (once), since Triton 2.51 does not pass the cancellation on."""
+
+    def __init__(self, pb_utils: Any, remembered: int = 4096):
+        self._pb_utils, self._polls = pb_utils, PollSchedule(remembered=remembered)
+        self._aborted: deque = deque(maxlen=remembered)
+
     def check(self, request: Any, tensors: Mapping[str, np.ndarray]) -> None:
         request_id = string_value(tensors, contract.REQUEST_ID)
-        if not self.poll_due(request_id, time.monotonic()) or not request.is_cancelled():
+        if (not request_id or request_id in self._aborted or not self._polls.due(request_id, time.monotonic())
+                or not request.is_cancelled()):
             return
         self._aborted.append(request_id)
         control = self._pb_utils.InferenceRequest(

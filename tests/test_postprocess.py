@@ -6,7 +6,7 @@ import numpy as np
 
 from a3b_backend.generation import Step, request_arrays, step_arrays
 from a3b_backend.postprocess import step_outputs
-from a3b_backend.triton_io import CancellationForwarder
+from a3b_backend.triton_io import CancellationForwarder, PollSchedule
 
 
 def step(tokenizer, context, new, finish="", stop_reason="", echo="", stop=()):
@@ -58,8 +58,29 @@ def test_steps_as_a3b_llm_sends_them(tokenizer):
 
 
 def test_cancellation_is_polled_at_most_every_poll_s_per_stream():
-    forwarder = CancellationForwarder(pb_utils=None, poll_s=0.1, remembered=2)
-    assert forwarder.poll_due("a", 10.0) and not forwarder.poll_due("a", 10.05) and forwarder.poll_due("a", 10.11)
-    assert forwarder.poll_due("b", 10.05) and not forwarder.poll_due("", 10.05)
-    assert forwarder.poll_due("c", 10.06)  # remembers two streams: "a" is forgotten, so due again
-    assert forwarder.poll_due("a", 10.07)
+    polls = PollSchedule(poll_s=0.1, remembered=2)
+    assert polls.due("a", 10.0) and not polls.due("a", 10.05) and polls.due("a", 10.11)
+    assert polls.due("b", 10.05)
+    assert polls.due("c", 10.06)  # remembers two streams: "a" is forgotten, so due again
+    assert polls.due("a", 10.07)
+
+
+class _Request:
+    """Counts how often the forwarder asks Triton whether it was cancelled."""
+
+    def __init__(self):
+        self.asked = 0
+
+    def is_cancelled(self) -> bool:
+        self.asked += 1
+        return False
+
+
+def test_cancellation_is_asked_only_for_identified_streams_when_due():
+    forwarder, request = CancellationForwarder(pb_utils=None), _Request()
+    forwarder.check(request, {})  # no request_id: nothing to abort
+    assert request.asked == 0
+    ids = {"request_id": np.array([b"r1"], object)}
+    forwarder.check(request, ids)
+    forwarder.check(request, ids)  # within the poll interval
+    assert request.asked == 1

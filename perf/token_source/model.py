@@ -46,6 +46,7 @@ class Stream:
     token_ids: list[int]
     context_tokens: int
     prompt_tokens: int
+    request_id: str
     per_request: dict
     sent: int = 0
     next_due_ns: int | None = None  # its next token's step; set by the first step after it joined
@@ -62,6 +63,7 @@ class TritonPythonModel:
         self.wall_minus_monotonic_ns = time.time_ns() - time.monotonic_ns()
         self.next_offset = 0
         self.streams: list[Stream] = []
+        self.cancel_polls = triton_io.PollSchedule()
         self.loop = asyncio.new_event_loop()
         self.joined = asyncio.Event()
         threading.Thread(target=self.loop.run_forever, name="token-source", daemon=True).start()
@@ -78,9 +80,10 @@ class TritonPythonModel:
             count = int(sampling.get("max_tokens", 16))
             start = self.next_offset % (len(self.text_ids) - count)
             self.next_offset += PASSAGE_STRIDE
+            request_id = uuid.uuid4().hex
             stream = Stream(sender, self.text_ids[start:start + count], DecodeRule.from_params(sampling).context_tokens,
-                            int(tensors["input_ids"].size),
-                            request_arrays(string_value(tensors, contract.POSTPROCESS_CONFIG), uuid.uuid4().hex))
+                            int(tensors["input_ids"].size), request_id,
+                            request_arrays(string_value(tensors, contract.POSTPROCESS_CONFIG), request_id))
             self.loop.call_soon_threadsafe(self._join, stream)
         return None
 
@@ -104,7 +107,8 @@ class TritonPythonModel:
 
     def _emit(self, stream: Stream, last_due_ns: int) -> bool:
         """Sends the stream's tokens due up to `last_due_ns`; False once it has sent its last."""
-        if stream.sender.is_cancelled():
+        # as a3b_llm asks
+        if self.cancel_polls.due(stream.request_id, time.monotonic()) and stream.sender.is_cancelled():
             stream.sender.send(flags=FINAL)
             return False
         if stream.next_due_ns is None:

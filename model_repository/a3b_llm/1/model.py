@@ -6,6 +6,7 @@ triton_io.use_utf8_locale()
 import asyncio  # noqa: E402
 import dataclasses  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 import uuid  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -45,6 +46,7 @@ class TritonPythonModel:
         self.limits = dataclasses.replace(request_limits(profile), vocab_size=vocab_size)
         # for the reasoning / tool-call parsers, which run here (a3b_backend/parsing.py)
         self.tokenizer = triton_io.load_tokenizer(args) if profile.parses_output else None
+        self.cancel_polls = triton_io.PollSchedule()
 
     def execute(self, requests):
         for request in requests:
@@ -79,7 +81,7 @@ class TritonPythonModel:
         try:
             async for output in self.host.generate(request_id, llm_request.prompt_ids, llm_request.sampling_params(),
                                                    lora_request):
-                if sender.is_cancelled():
+                if self.cancel_polls.due(request_id, time.monotonic()) and sender.is_cancelled():
                     await self.host.abort(request_id)
                     break
                 step = tracker.step(output)
