@@ -89,7 +89,6 @@ def apply_variant(model, originals, stats, variant: Variant, stored_dtype: torch
     converter stores them: the linears keep the scaled weights and each
     RMSNorm is divided by its scale in the checkpoint's dtype."""
     linears = calibrate.quantized_linears(model)
-    params = dict(model.named_parameters())
     scales: dict[str, torch.Tensor] = {}
     if variant.aware:
         quant_dequant = lambda w, importance: variant.run(w, importance)[0]  # noqa: E731
@@ -97,7 +96,7 @@ def apply_variant(model, originals, stats, variant: Variant, stored_dtype: torch
                                   unit="group", leave=False):
             s = calibrate.choose_scale([originals[m] for m in members], stats[members[0]], quant_dequant)
             scales.update({m: s for m in members})
-            weight = params[f"{norm}.weight"]
+            weight = model.get_parameter(f"{norm}.weight")
             weight.copy_(fold_norm_scale(weight.to(stored_dtype), s, zero_centred=False).float())
     nbytes, weights, rel_errors = 0, 0, []
     for name, module in tqdm(linears.items(), desc=variant.name, unit="linear", leave=False):
@@ -140,9 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     stats = calibrate.collect(model, calib_ids, SEQ_LEN)
     linears = calibrate.quantized_linears(model)
     originals = {n: m.weight.detach().clone() for n, m in linears.items()}
-    norms = {f"{norm}.weight" for norm in calibrate.groups(list(linears))}
-    params = dict(model.named_parameters())
-    norm_originals = {n: params[n].detach().clone() for n in norms}
+    norm_originals = {f"{norm}.weight": model.get_parameter(f"{norm}.weight").detach().clone()
+                      for norm in calibrate.groups(list(linears))}
     stored_dtype = AutoConfig.from_pretrained(args.model).dtype
     other_bytes = sum(p.numel() * 2 for n, p in model.named_parameters()
                       if n.removesuffix(".weight") not in linears)
@@ -163,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, module in linears.items():
             module.weight.copy_(originals[name])
         for name, weight in norm_originals.items():
-            params[name].detach().copy_(weight)
+            model.get_parameter(name).detach().copy_(weight)
     meta = dict(tokenizer_name=args.model.name, eval_tokens=eval_ids.numel(), calib_tokens=calib_ids.numel())
     args.out.mkdir(parents=True, exist_ok=True)
     saved = args.out / "results.json"
