@@ -38,7 +38,7 @@ SOURCE_TEXT = Path("/usr/share/common-licenses/GPL-3")
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PROMPT = "Summarize the GNU General Public License in one paragraph."
 # the processes whose CPU is reported, by what their command line holds
-ROLES = ("tritonserver", "preprocessing", contract.LLM_MODEL, "postprocessing")
+ROLES = ("tritonserver", "preprocessing", contract.LLM_MODEL, "postprocessing", "bls")
 
 
 @dataclass
@@ -104,9 +104,9 @@ def client_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_level(server, concurrency: int, tokens: int, interval_ms: float, epoch_ns: int, work: Path,
+def run_level(server, model: str, concurrency: int, tokens: int, interval_ms: float, epoch_ns: int, work: Path,
               source_text: str) -> Level:
-    args = ["-m", "ensemble", "-u", server.grpc_url, "-i", "grpc", "--streaming", "--async",
+    args = ["-m", model, "-u", server.grpc_url, "-i", "grpc", "--streaming", "--async",
             "--input-data", str(input_file(work / "input.json", tokens)), "--concurrency-range", str(concurrency),
             "--measurement-mode", "count_windows", "--measurement-request-count", str(max(8, 2 * concurrency)),
             "--stability-percentage", "999", "--max-trials", "3"]
@@ -208,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interval-ms", type=float, default=12.5, help="the token source's step")
     parser.add_argument("--no-coalesce", action="store_true",
                         help="the source sends one response per token even when behind (a3b_llm does not)")
+    parser.add_argument("--model", default="ensemble", choices=("ensemble", "bls"),
+                        help="the model the client streams from")
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "serving_path")
     args = parser.parse_args(argv)
     if not (ROOT / ".venv-perf" / "bin" / "perf_analyzer").exists():
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         levels = []
         try:
             for concurrency in tqdm(args.concurrency, desc="serving path", unit="level"):
-                levels.append(run_level(server, concurrency, args.tokens, args.interval_ms, epoch_ns, work,
+                levels.append(run_level(server, args.model, concurrency, args.tokens, args.interval_ms, epoch_ns, work,
                                         source_text))
                 tqdm.write(markdown(levels[-1:]).splitlines()[-1])
         finally:
