@@ -1,7 +1,7 @@
 """Renders the model repository's config.pbtxt files from the contract.
 
 The committed configs are this module's output (a test checks they match), so
-the models never disagree. Engine settings are not in the configs: every
+the four models never disagree. Engine settings are not in the configs: every
 model reads them from `profiles.py` at load time, chosen by $A3B_PROFILE.
 
     a3b-render [--repository model_repository] [--check]
@@ -83,19 +83,15 @@ def render() -> dict[str, str]:
         # dynamic batching: Triton's batcher answers a cancelled request
         # itself, so postprocessing would never see an ensemble client's
         # cancellation to pass on to a3b_llm (with it,
-        # test_cancelled_text_streams_abort_the_engine[ensemble] fails).
+        # test_cancelled_ensemble_streams_abort_the_engine fails).
         "postprocessing": _python_model("postprocessing", contract.POSTPROCESS_INPUTS, contract.TEXT_OUTPUTS,
                                         decoupled=False, instance_kind="KIND_CPU", count=1),
         "ensemble": _ensemble(),
-        # The same contract in one model (a3b_backend/bls.py); it serves many
-        # streams at once on threads of its own.
-        "bls": _python_model("bls", contract.TEXT_INPUTS, contract.TEXT_OUTPUTS,
-                             decoupled=True, instance_kind="KIND_CPU", count=1),
     }
 
 
 # Where LoRA names are listed: the model that serves them and the one clients address.
-LORA_MODELS = (contract.LLM_MODEL, "ensemble", "bls")
+LORA_MODELS = (contract.LLM_MODEL, "ensemble")
 
 
 def lora_entry(text: str) -> tuple[str, Path]:

@@ -6,7 +6,6 @@ client error type, and the few Triton python-backend calls they share.
 from __future__ import annotations
 
 import locale
-import threading
 import time
 from collections import OrderedDict, deque
 from pathlib import Path
@@ -123,17 +122,15 @@ class PollSchedule:
     def __init__(self, poll_s: float = 0.1, remembered: int = 4096):
         self._poll_s, self._remembered = poll_s, remembered
         self._next_poll: OrderedDict[str, float] = OrderedDict()
-        self._lock = threading.Lock()  # the BLS model asks from a thread per stream
 
     def due(self, stream_id: str, now: float) -> bool:
-        with self._lock:
-            if self._next_poll.get(stream_id, 0.0) > now:
-                return False
-            self._next_poll[stream_id] = now + self._poll_s
-            self._next_poll.move_to_end(stream_id)
-            if len(self._next_poll) > self._remembered:
-                self._next_poll.popitem(last=False)
-            return True
+        if self._next_poll.get(stream_id, 0.0) > now:
+            return False
+        self._next_poll[stream_id] = now + self._poll_s
+        self._next_poll.move_to_end(stream_id)
+        if len(self._next_poll) > self._remembered:
+            self._next_poll.popitem(last=False)
+        return True
 
 
 class CancellationForwarder:

@@ -1,7 +1,6 @@
 """What Triton adds: the same prompts and sampling through (a) vLLM's AsyncLLM
 directly in this process, (b) `a3b_llm` through tritonserver (token ids in and
-out), (c) the full `ensemble` (text in, text out), (d) `bls`, the same
-contract in one model, interleaved a b c d a b c d ...
+out), (c) the full `ensemble` (text in, text out), interleaved a b c a b c ...
 
     make bench-overhead       # starts its own server; table + PNG under perf/results/overhead/
 
@@ -38,7 +37,7 @@ from a3b_backend.profiles import get_profile  # noqa: E402
 
 OUTPUT_TOKENS = 32
 PROMPT_TOKENS = 128
-VARIANTS = ("a: AsyncLLM", "b: a3b_llm", "c: ensemble", "d: bls")
+VARIANTS = ("a: AsyncLLM", "b: a3b_llm", "c: ensemble")
 SETTLE_S = 2.0
 
 
@@ -116,9 +115,8 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax, key, title in ((axes[0], "ttft_ms", "TTFT median (ms)"), (axes[1], "itl_ms", "inter-token median (ms)")):
         for offset, variant in enumerate(VARIANTS):
             picked = [r for r in rows if r["variant"] == variant]
-            width = 0.8 / len(VARIANTS)
-            xs = [i + (offset - (len(VARIANTS) - 1) / 2) * width for i in range(len(picked))]
-            ax.bar(xs, [r[key] for r in picked], width=width, label=variant)
+            xs = [i + (offset - 1) * 0.27 for i in range(len(picked))]
+            ax.bar(xs, [r[key] for r in picked], width=0.27, label=variant)
         ax.set_xticks(range(len(picked)), [f"concurrency {r['concurrency']}" for r in picked])
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
@@ -167,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
                                     {"input_ids": np.asarray(x, dtype=np.int32), "stream": True,
                                      "sampling_parameters": json.dumps(sampling())} for x in ids])
                             else:
-                                records = served_round(server.grpc_url, variant.partition(": ")[2], [
+                                records = served_round(server.grpc_url, "ensemble", [
                                     {"text_input": tokenizer.decode(x), "stream": True,
                                      "sampling_parameters": json.dumps(sampling())} for x in ids])
                             results.setdefault((variant, c), []).append(latencies(records))
@@ -200,13 +198,13 @@ def main(argv: list[str] | None = None) -> None:
     plot(rows, args.out / "overhead.png")
     (args.out / "overhead.json").write_text(json.dumps(rows, indent=1))
     (args.out / "overhead.md").write_text(
-        f"# Serving overhead: bare AsyncLLM vs a3b_llm vs ensemble vs bls (profile {profile.name})\n\n"
+        f"# Serving overhead: bare AsyncLLM vs a3b_llm vs ensemble (profile {profile.name})\n\n"
         f"Machine: {perf_report.machine()}. "
         f"Command: `make bench-overhead`. {args.rounds} interleaved rounds per concurrency, "
         f"{PROMPT_TOKENS}-token prompts (each its own), {OUTPUT_TOKENS} greedy output tokens. "
         "Per round: the variant's median over a's median, as a change in %; mean over rounds with a 95% "
         "bootstrap interval.\n"
-        "Goals: the text model's interval ends at most +3% inter-token latency at concurrency 8 and 32, "
+        "Goals: the ensemble's interval ends at most +3% inter-token latency at concurrency 8 and 32, "
         "and at most +5% TTFT.\n\n"
         f"{table}\n![overhead](overhead.png)\n")
     print(f"wrote {args.out / 'overhead.md'}")

@@ -1,13 +1,11 @@
 """The serving path's ceiling without the engine (`make bench-serving-path`):
-the real tritonserver with our real preprocessing, postprocessing,
-`ensemble` and `bls`, rendered as `a3b-render` renders them, and only
-`a3b_llm` swapped for perf/token_source (an engine stand-in that costs next
-to nothing: one step every 12.5 ms, one real token per running stream per
-step).
+the real tritonserver with our real preprocessing, postprocessing and
+`ensemble`, rendered as `a3b-render` renders them, and only `a3b_llm` swapped
+for perf/token_source (an engine stand-in that costs next to nothing: one step
+every 12.5 ms, one real token per running stream per step).
 
 perf_analyzer (C++, so the client costs little CPU) streams from `ensemble`
-and from `bls` in turn at each concurrency of the sweep, against one server.
-Reported per model and level: streamed tokens/s and
+at each concurrency of the sweep. Reported per level: streamed tokens/s and
 responses/s delivered to the client, each token's lateness (arrival at the
 client minus the step's scheduled time, carried in `cumulative_logprob`),
 and the CPU used by tritonserver, each Python stub and the client.
@@ -40,16 +38,11 @@ SOURCE_TEXT = Path("/usr/share/common-licenses/GPL-3")
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PROMPT = "Summarize the GNU General Public License in one paragraph."
 # the processes whose CPU is reported, by what their command line holds
-ROLES = ("tritonserver", "preprocessing", contract.LLM_MODEL, "postprocessing", "bls")
-
-
-MODELS = ("ensemble", "bls")
-CLIENT = "client (perf_analyzer)"
+ROLES = ("tritonserver", "preprocessing", contract.LLM_MODEL, "postprocessing")
 
 
 @dataclass
 class Level:
-    model: str
     concurrency: int
     requests: int
     errors: int
@@ -111,22 +104,22 @@ def client_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_level(server, model: str, concurrency: int, tokens: int, interval_ms: float, epoch_ns: int, work: Path,
+def run_level(server, concurrency: int, tokens: int, interval_ms: float, epoch_ns: int, work: Path,
               source_text: str) -> Level:
-    args = ["-m", model, "-u", server.grpc_url, "-i", "grpc", "--streaming", "--async",
+    args = ["-m", "ensemble", "-u", server.grpc_url, "-i", "grpc", "--streaming", "--async",
             "--input-data", str(input_file(work / "input.json", tokens)), "--concurrency-range", str(concurrency),
             "--measurement-mode", "count_windows", "--measurement-request-count", str(max(8, 2 * concurrency)),
             "--stability-percentage", "999", "--max-trials", "3"]
     before, client_before, started = role_cpu(server), client_cpu(), time.monotonic()
     try:
-        measured = perf_analyzer.run(args, work / f"{model}-c{concurrency}.json", work / f"{model}-c{concurrency}.log")
+        measured = perf_analyzer.run(args, work / f"c{concurrency}.json", work / f"c{concurrency}.log")
     except RuntimeError as err:
-        raise SystemExit(f"{model} at concurrency {concurrency}: {err}") from None
+        raise SystemExit(f"concurrency {concurrency}: {err}") from None
     wall = time.monotonic() - started
     after, client_after = role_cpu(server), client_cpu()
     cores = {role: (after[role] - before[role]) / wall for role in ROLES}
-    cores[CLIENT] = (client_after - client_before) / wall
-    return summarize(measured, model, concurrency, tokens, interval_ms, epoch_ns, cores, source_text)
+    cores["client (perf_analyzer)"] = (client_after - client_before) / wall
+    return summarize(measured, concurrency, tokens, interval_ms, epoch_ns, cores, source_text)
 
 
 def output_value(out: dict, name: str) -> float:
@@ -135,7 +128,7 @@ def output_value(out: dict, name: str) -> float:
     return float(value[0] if isinstance(value, list) else value)
 
 
-def summarize(export: dict, model: str, concurrency: int, tokens: int, interval_ms: float, epoch_ns: int,
+def summarize(export: dict, concurrency: int, tokens: int, interval_ms: float, epoch_ns: int,
               cores: dict[str, float], source_text: str) -> Level:
     [experiment] = export["experiments"]
     lateness, token_count, responses, errors, mangled = [], 0, 0, 0, 0
@@ -157,7 +150,7 @@ def summarize(export: dict, model: str, concurrency: int, tokens: int, interval_
             due_ns = epoch_ns + output_value(out, "cumulative_logprob") * 1e9
             lateness.append((int(stamp) - due_ns) / 1e6)
     span_s = (max(ends) - min(starts)) / 1e9
-    return Level(model=model, concurrency=concurrency, requests=len(starts), errors=errors, mangled=mangled,
+    return Level(concurrency=concurrency, requests=len(starts), errors=errors, mangled=mangled,
                  tokens_per_s=token_count / span_s, responses_per_s=responses / span_s,
                  offered_tokens_per_s=concurrency * 1000 / interval_ms,
                  lateness_ms={p: float(np.percentile(lateness, p)) for p in (50, 99)}, cores=cores)
@@ -165,13 +158,13 @@ def summarize(export: dict, model: str, concurrency: int, tokens: int, interval_
 
 def markdown(levels: list[Level]) -> str:
     roles = list(levels[0].cores)
-    header = ["model", "streams", "offered tok/s", "delivered tok/s", "responses/s", "lateness ms p50 / p99", "errors",
+    header = ["streams", "offered tok/s", "delivered tok/s", "responses/s", "lateness ms p50 / p99", "errors",
               "texts not intact",
               *(f"cores: {r}" for r in roles)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for lv in levels:
         lines.append("| " + " | ".join([
-            lv.model, str(lv.concurrency), f"{lv.offered_tokens_per_s:.0f}", f"{lv.tokens_per_s:.0f}",
+            str(lv.concurrency), f"{lv.offered_tokens_per_s:.0f}", f"{lv.tokens_per_s:.0f}",
             f"{lv.responses_per_s:.0f}",
             f"{lv.lateness_ms[50]:.1f} / {lv.lateness_ms[99]:.1f}", str(lv.errors), str(lv.mangled),
             *(f"{lv.cores[r]:.2f}" for r in roles)]) + " |")
@@ -184,22 +177,17 @@ def plot(levels: list[Level], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    x = [lv.concurrency for lv in levels]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    models = list(dict.fromkeys(lv.model for lv in levels))
-    offered = [lv for lv in levels if lv.model == models[0]]
-    axes[0].plot([lv.concurrency for lv in offered], [lv.offered_tokens_per_s for lv in offered], "k--",
-                 label="offered")
-    for model in models:
-        mine = [lv for lv in levels if lv.model == model]
-        x = [lv.concurrency for lv in mine]
-        axes[0].plot(x, [lv.tokens_per_s for lv in mine], "o-", label=f"{model}: tokens/s")
-        axes[0].plot(x, [lv.responses_per_s for lv in mine], "x:", label=f"{model}: responses/s")
-        axes[1].plot(x, [lv.lateness_ms[50] for lv in mine], "o-", label=f"{model}: p50")
-        axes[1].plot(x, [lv.lateness_ms[99] for lv in mine], "x:", label=f"{model}: p99")
-        axes[2].plot(x, [sum(lv.cores[r] for r in ROLES) for lv in mine], "o-", label=f"{model}: server")
-        axes[2].plot(x, [lv.cores[CLIENT] for lv in mine], "x:", label=f"{model}: client")
+    axes[0].plot(x, [lv.offered_tokens_per_s for lv in levels], "k--", label="offered")
+    axes[0].plot(x, [lv.tokens_per_s for lv in levels], "o-", label="tokens/s delivered")
+    axes[0].plot(x, [lv.responses_per_s for lv in levels], "x-", label="responses/s delivered")
+    axes[1].plot(x, [lv.lateness_ms[50] for lv in levels], "o-", label="p50")
+    axes[1].plot(x, [lv.lateness_ms[99] for lv in levels], "x--", label="p99")
     axes[1].set_yscale("log")
-    for ax, name in zip(axes, ("throughput", "token lateness (ms)", "CPU (cores): tritonserver + stubs")):
+    for role in levels[0].cores:
+        axes[2].plot(x, [lv.cores[role] for lv in levels], "o-", label=role)
+    for ax, name in zip(axes, ("throughput", "token lateness (ms)", "CPU (cores)")):
         ax.set_title(name)
         ax.set_xlabel("concurrent streams")
         ax.set_xscale("log", base=2)
@@ -220,8 +208,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interval-ms", type=float, default=12.5, help="the token source's step")
     parser.add_argument("--no-coalesce", action="store_true",
                         help="the source sends one response per token even when behind (a3b_llm does not)")
-    parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS,
-                        help="the models the client streams from, in turn at each level")
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "serving_path")
     args = parser.parse_args(argv)
     if not (ROOT / ".venv-perf" / "bin" / "perf_analyzer").exists():
@@ -240,9 +226,8 @@ def main(argv: list[str] | None = None) -> None:
         server = server_process.start(work / "tritonserver.log", env)
         levels = []
         try:
-            runs = [(c, m) for c in args.concurrency for m in args.models]
-            for concurrency, model in tqdm(runs, desc="serving path", unit="run"):
-                levels.append(run_level(server, model, concurrency, args.tokens, args.interval_ms, epoch_ns, work,
+            for concurrency in tqdm(args.concurrency, desc="serving path", unit="level"):
+                levels.append(run_level(server, concurrency, args.tokens, args.interval_ms, epoch_ns, work,
                                         source_text))
                 tqdm.write(markdown(levels[-1:]).splitlines()[-1])
         finally:
@@ -257,10 +242,9 @@ def main(argv: list[str] | None = None) -> None:
     report = args.out / "serving_path.md"
     report.write_text(
         f"# {title}\n\nMachine: {perf_report.machine()}; client and server share it. Command: `make "
-        f"bench-serving-path` (perf/serving_path.py): tritonserver with our preprocessing, postprocessing, "
-        f"`ensemble` and `bls`, a3b_llm replaced by perf/token_source ({args.interval_ms} ms steps, one token "
-        f"per stream per step, {args.tokens} tokens per stream; {sending}); perf_analyzer streams over gRPC "
-        f"from each model in turn at each level. "
+        f"bench-serving-path` (perf/serving_path.py): tritonserver with our preprocessing, postprocessing and "
+        f"`ensemble`, a3b_llm replaced by perf/token_source ({args.interval_ms} ms steps, one token per stream "
+        f"per step, {args.tokens} tokens per stream; {sending}); perf_analyzer streams over gRPC. "
         f"Lateness: arrival at the "
         f"client minus the token's scheduled step. Cores: CPU seconds per second of each level's run.\n\n"
         f"{markdown(levels)}\n![plots](serving_path.png)\n")

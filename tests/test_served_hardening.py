@@ -95,7 +95,7 @@ def test_bad_inputs_get_named_errors_while_streams_run(server):
     assert error is None
     pool, running = _background_streams(server, 2)
     failures = []
-    for model, cases in (("ensemble", ENSEMBLE_CASES), ("bls", ENSEMBLE_CASES), ("a3b_llm", LLM_CASES)):
+    for model, cases in (("ensemble", ENSEMBLE_CASES), ("a3b_llm", LLM_CASES)):
         for inputs, fragment in cases:
             responses, err = stream_infer(server.grpc_url, model, inputs)
             if err is None or fragment not in err:
@@ -161,15 +161,13 @@ def test_cancelled_streams_are_aborted_in_the_engine(server):
     assert server.is_ready()
 
 
-@pytest.mark.parametrize("model", ["ensemble", "bls"])
-def test_cancelled_text_streams_abort_the_engine(server, model):
-    """Triton 2.51 passes neither an ensemble client's cancellation nor a BLS
-    caller's on to a3b_llm; postprocessing (ensemble) or bls sees it and asks
-    a3b_llm to abort."""
+def test_cancelled_ensemble_streams_abort_the_engine(server):
+    """Triton 2.51 does not pass an ensemble client's cancellation to a3b_llm;
+    postprocessing sees it and asks a3b_llm to abort."""
     inputs = text_request("Tell me a long story.", True, {"max_tokens": 2000, "ignore_eos": True})
     before = metric(scrape(server.metrics_port), "a3b_generation_tokens_total")
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda _: _cancel_after_first(server.grpc_url, inputs, model), range(20)))
+        list(pool.map(lambda _: _cancel_after_first(server.grpc_url, inputs, "ensemble"), range(20)))
     values = _engine_idle(server)
     assert metric(values, "a3b_num_requests_running") == 0
     assert metric(values, "a3b_generation_tokens_total") - before < 20 * 2000 / 10
