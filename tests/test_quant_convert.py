@@ -201,3 +201,31 @@ def test_awq_scale_folds_into_zero_centred_norms():
     x_hat, w, s = torch.randn(5, 8), torch.randn(8) * 0.1, torch.rand(8) + 0.5
     torch.testing.assert_close(x_hat * (1 + fold_norm_scale(w, s, zero_centred=True)), x_hat * (1 + w) / s)
     torch.testing.assert_close(x_hat * fold_norm_scale(w, s, zero_centred=False), x_hat * w / s)
+
+
+@pytest.mark.parametrize("model_type, extra", [("qwen3_moe", dict(MOE, decoder_sparse_step=1)),
+                                               ("qwen3_5_moe_text", QWEN35)])
+def test_experts_are_fitted_on_their_moe_blocks_input(tmp_path, tokenizer, model_type, extra):
+    """A routed expert sees few calibration tokens: its gate/up projections take the importance of the
+    MoE block's input over every token, its down projection none."""
+    from transformers import AutoModelForCausalLM
+
+    from a3b_backend.quant import calibrate, convert as converter
+    from a3b_backend.quant.format import quantize
+
+    model = AutoModelForCausalLM.from_pretrained(tiny(tmp_path, model_type, vocab_size=len(tokenizer), **extra),
+                                                 dtype=torch.float32)
+    ids = torch.tensor(tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)[:64])
+    stats = calibrate.collect(model, ids, seq_len=32)
+    block = "model.layers.1.mlp"
+    assert stats[block].count == 64  # every token, whichever experts it was routed to
+    assert calibrate.expert_input_stats(f"{block}.experts.3.up_proj") == block
+    assert calibrate.expert_input_stats(f"{block}.experts.3.down_proj") is None
+    calibration = {name: (st.importance, None) for name, st in stats.items()}
+    w = torch.randn(32, 64)
+    name = f"{block}.experts.2.gate_proj.weight"
+    fitted = converter._quantized(name, w, CONFIG, calibration)
+    expected = quantize(w, CONFIG, col_importance=stats[block].importance, name=name).tensors(name)
+    assert all(torch.equal(fitted[k], expected[k]) for k in expected)
+    plain = quantize(w, CONFIG, name=name).tensors(name)
+    assert any(not torch.equal(fitted[k], plain[k]) for k in plain)

@@ -10,10 +10,17 @@ value of each input channel over calibration text. Two uses:
   into the preceding RMSNorm (q/k/v after input_layernorm, gate/up after
   post_attention_layernorm, which share their input and so their s); other
   layers get the importance weighting alone, so no runtime op is needed.
+
+MoE experts are fitted on expert-agnostic statistics: a routed expert sees
+only the few calibration tokens sent to it, too few to weight its columns by,
+so every expert's gate/up projection takes the importance of its MoE block's
+input over all tokens (`expert_input_stats`). Their down projections, whose
+inputs are each expert's own activations, get no importance weighting.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from pathlib import Path
 from typing import Callable
@@ -39,6 +46,8 @@ ALPHAS = (0.0, 0.25, 0.5, 0.75)
 # (dense decoder layers; MoE experts share their norm with the router).
 FOLDABLE = re.compile(r"\.layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj)|mlp\.(gate_proj|up_proj))$")
 NORM_OF = {"self_attn": "input_layernorm", "mlp": "post_attention_layernorm"}
+# An expert's projections that read its MoE block's input (group 1: the block).
+EXPERT_INPUT = re.compile(r"^(.*)\.experts\.\d+\.(gate_proj|up_proj)$")
 
 
 def norm_for(linear_name: str) -> str:
@@ -85,6 +94,17 @@ def choose_scale(weights: list[torch.Tensor], stats: ChannelStats, quant_dequant
     return best
 
 
+def expert_input_stats(linear_name: str) -> str | None:
+    """For a routed expert's gate/up projection, the MoE block whose input statistics it is fitted on."""
+    match = EXPERT_INPUT.match(linear_name)
+    return match.group(1) if match else None
+
+
+def moe_blocks(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Sparse MoE blocks (a module holding `experts`), outside what stays unquantized."""
+    return {n: m for n, m in model.named_modules() if hasattr(m, "experts") and not KEPT.match(n)}
+
+
 def groups(names: list[str]) -> dict[str, list[str]]:
     """Foldable linears grouped by the RMSNorm that feeds them (they share one scale)."""
     out: dict[str, list[str]] = {}
@@ -100,17 +120,19 @@ def quantized_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
 
 @torch.no_grad()
 def collect(model: torch.nn.Module, token_ids: torch.Tensor, seq_len: int = 512) -> dict[str, ChannelStats]:
-    """Run the model over token_ids in windows of seq_len; per-linear input channel statistics."""
+    """Run the model over token_ids in windows of seq_len; input channel statistics per quantized
+    linear and per MoE block."""
     stats: dict[str, ChannelStats] = {}
-    hooks = []
-    for name, module in quantized_linears(model).items():
-        def hook(_mod, args, _out, name=name):
-            x = args[0].detach().float().reshape(-1, args[0].shape[-1])
-            st = stats.setdefault(name, ChannelStats(torch.zeros(x.shape[1]), torch.zeros(x.shape[1])))
-            st.sq_sum += (x * x).sum(0)
-            st.abs_sum += x.abs().sum(0)
-            st.count += x.shape[0]
-        hooks.append(module.register_forward_hook(hook))
+
+    def record(_mod, args, _out, name):
+        x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+        st = stats.setdefault(name, ChannelStats(torch.zeros(x.shape[1]), torch.zeros(x.shape[1])))
+        st.sq_sum += (x * x).sum(0)
+        st.abs_sum += x.abs().sum(0)
+        st.count += x.shape[0]
+
+    hooks = [module.register_forward_hook(functools.partial(record, name=name))
+             for name, module in {**quantized_linears(model), **moe_blocks(model)}.items()]
     try:
         for start in tqdm(range(0, token_ids.numel(), seq_len), desc="calibrating", unit="window", leave=False):
             model(token_ids[start:start + seq_len].unsqueeze(0))

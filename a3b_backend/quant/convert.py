@@ -101,7 +101,7 @@ def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BCo
 
 def _quantized(name: str, tensor: torch.Tensor, config: A3BConfig, calibration: dict) -> dict[str, torch.Tensor]:
     module = name.removesuffix(".weight")
-    importance, scale = calibration.get(module, (None, None))
+    importance, scale = calibration.get(module) or calibration.get(calibrate.expert_input_stats(module), (None, None))
     w = tensor.float()
     if scale is not None:
         w = w * scale
