@@ -61,6 +61,14 @@ class ChannelStats:
     sq_sum: torch.Tensor
     abs_sum: torch.Tensor
     count: int = 0
+    gram: torch.Tensor | None = None  # sum of x x^T, when collected with hessians=True
+
+    @property
+    def hessian(self) -> torch.Tensor:
+        """E[x x^T] over the calibration tokens (GPTQ's H, up to a factor)."""
+        if self.gram is None:
+            raise ValueError("statistics were collected without hessians=True")
+        return self.gram / max(self.count, 1)
 
     @property
     def importance(self) -> torch.Tensor:
@@ -119,20 +127,26 @@ def quantized_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
 
 
 @torch.no_grad()
-def collect(model: torch.nn.Module, token_ids: torch.Tensor, seq_len: int = 512) -> dict[str, ChannelStats]:
+def collect(model: torch.nn.Module, token_ids: torch.Tensor, seq_len: int = 512,
+            hessians: bool = False) -> dict[str, ChannelStats]:
     """Run the model over token_ids in windows of seq_len; input channel statistics per quantized
-    linear and per MoE block."""
+    linear and per MoE block (with hessians=True, each linear's full E[x x^T] too)."""
     stats: dict[str, ChannelStats] = {}
 
-    def record(_mod, args, _out, name):
+    def record(_mod, args, _out, name, gram):
         x = args[0].detach().float().reshape(-1, args[0].shape[-1])
-        st = stats.setdefault(name, ChannelStats(torch.zeros(x.shape[1]), torch.zeros(x.shape[1])))
+        st = stats.setdefault(name, ChannelStats(torch.zeros(x.shape[1]), torch.zeros(x.shape[1]),
+                                                 gram=torch.zeros(x.shape[1], x.shape[1]) if gram else None))
         st.sq_sum += (x * x).sum(0)
         st.abs_sum += x.abs().sum(0)
         st.count += x.shape[0]
+        if gram:
+            st.gram += x.T @ x
 
-    hooks = [module.register_forward_hook(functools.partial(record, name=name))
-             for name, module in {**quantized_linears(model), **moe_blocks(model)}.items()]
+    hooks = [module.register_forward_hook(functools.partial(record, name=name, gram=hessians))
+             for name, module in quantized_linears(model).items()]
+    hooks += [module.register_forward_hook(functools.partial(record, name=name, gram=False))
+              for name, module in moe_blocks(model).items()]
     try:
         for start in tqdm(range(0, token_ids.numel(), seq_len), desc="calibrating", unit="window", leave=False):
             model(token_ids[start:start + seq_len].unsqueeze(0))

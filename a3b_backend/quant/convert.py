@@ -1,6 +1,6 @@
 """a3b-quantize: HF safetensors checkpoint -> A3B checkpoint, one tensor at a time.
 
-    a3b-quantize SRC_DIR DST_DIR [--block-shape R C] [--calibration-text FILE]
+    a3b-quantize SRC_DIR DST_DIR [--block-shape R C] [--calibration-text FILE] [--rounding nearest|gptq]
 
 Linear weights of the decoder layers (attention, MLP, MoE experts, shared
 experts, Gated DeltaNet projections) become A3B tensors; embeddings, norms,
@@ -17,6 +17,9 @@ every layer, AWQ scales (alpha searched per layer group) where they fold into
 an RMSNorm. Folding divides those layers' inputs by the scale, so the scales
 are kept (`INPUT_SCALES_FILE`, per linear): a LoRA adapter trained on the
 source model reads them to see the inputs it was trained on (a3b_backend/lora.py).
+--rounding gptq also collects each linear's input Hessian and chooses the
+codes with error compensation (a3b_backend/quant/gptq.py); routed experts keep
+nearest rounding on their MoE block's statistics.
 
 The result is written to DST_DIR.partial and renamed to DST_DIR only when
 complete, so a failed run never leaves a checkpoint that looks whole.
@@ -24,12 +27,14 @@ complete, so a failed run never leaves a checkpoint that looks whole.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
 import shutil
 import sys
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors import safe_open
@@ -38,6 +43,7 @@ from tqdm import tqdm
 
 from a3b_backend.quant import calibrate
 from a3b_backend.quant.format import A3BConfig, QuantizationError, dequantize, quantize
+from a3b_backend.quant.gptq import quantize_gptq
 
 KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 # Experts stored stacked as 3-D tensors [experts, out, in] in some checkpoints.
@@ -52,6 +58,26 @@ COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.j
 
 class ConversionError(ValueError):
     pass
+
+
+# nearest: every weight to its block table's nearest entry; gptq: codes chosen in
+# column order with each column's error pushed onto the rest (a3b_backend/quant/gptq.py)
+Rounding = Literal["nearest", "gptq"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCalibration:
+    importance: torch.Tensor  # per input channel, E[x^2]
+    scale: torch.Tensor | None = None  # AWQ scale folded into the RMSNorm before it
+    hessian: torch.Tensor | None = None  # E[x x^T], for gptq rounding
+
+    def scaled(self, weight: torch.Tensor) -> tuple[torch.Tensor, "LinearCalibration"]:
+        """The weight the checkpoint stores and the statistics of the inputs it then reads (x / scale)."""
+        if self.scale is None:
+            return weight, self
+        s = self.scale
+        hessian = None if self.hessian is None else self.hessian / (s[:, None] * s[None, :])
+        return weight * s, LinearCalibration(self.importance / s**2, None, hessian)
 
 
 def check_paths(src: Path, dst: Path) -> dict:
@@ -77,36 +103,40 @@ def check_paths(src: Path, dst: Path) -> dict:
     return config
 
 
-def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BConfig) -> tuple[dict, dict]:
-    """Per-linear (importance, AWQ scale or None), and per-norm scales to divide by."""
+def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BConfig,
+                          rounding: Rounding = "nearest") -> tuple[dict[str, LinearCalibration], dict]:
+    """Per-linear statistics and AWQ scales, and per-norm scales to divide by."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(src)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval().requires_grad_(False)
     ids = torch.tensor(tokenizer.encode(calibrate.load_text(text_path))[:tokens])
-    stats = calibrate.collect(model, ids)
+    stats = calibrate.collect(model, ids, hessians=rounding == "gptq")
     linears = calibrate.quantized_linears(model)
 
     def quant_dequant(w, importance):
         return dequantize(quantize(w, config, col_importance=importance), config)
 
-    per_linear = {name: (st.importance, None) for name, st in stats.items()}
+    per_linear = {name: LinearCalibration(st.importance, hessian=None if st.gram is None else st.hessian)
+                  for name, st in stats.items()}
     per_norm = {}
     for norm, members in tqdm(calibrate.groups(list(stats)).items(), desc="searching AWQ scales", unit="group"):
         scale = calibrate.choose_scale([linears[m].weight for m in members], stats[members[0]], quant_dequant)
         per_norm[norm] = scale
-        per_linear.update({m: (stats[m].importance, scale) for m in members})
+        per_linear.update({m: dataclasses.replace(per_linear[m], scale=scale) for m in members})
     return per_linear, per_norm
 
 
-def _quantized(name: str, tensor: torch.Tensor, config: A3BConfig, calibration: dict) -> dict[str, torch.Tensor]:
+def _quantized(name: str, tensor: torch.Tensor, config: A3BConfig,
+               calibration: dict[str, LinearCalibration]) -> dict[str, torch.Tensor]:
     module = name.removesuffix(".weight")
-    importance, scale = calibration.get(module) or calibration.get(calibrate.expert_input_stats(module), (None, None))
-    w = tensor.float()
-    if scale is not None:
-        w = w * scale
-        importance = importance / scale**2
-    return quantize(w, config, col_importance=importance, name=name).tensors(name)
+    found = calibration.get(module) or calibration.get(calibrate.expert_input_stats(module))
+    if found is None:
+        return quantize(tensor.float(), config, name=name).tensors(name)
+    w, stats = found.scaled(tensor.float())
+    if stats.hessian is not None:
+        return quantize_gptq(w, config, stats.hessian, name=name).tensors(name)
+    return quantize(w, config, col_importance=stats.importance, name=name).tensors(name)
 
 
 def per_expert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -147,12 +177,15 @@ def convert_tensor(name: str, tensor: torch.Tensor, config: A3BConfig, calibrati
 
 
 def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | None = None,
-            calibration_tokens: int = 2048) -> Path:
+            calibration_tokens: int = 2048, rounding: Rounding = "nearest") -> Path:
     model_config = check_paths(src, dst)
     zero_centred = model_config.get("model_type") in ZERO_CENTRED_NORMS
     calibration, norm_scales = ({}, {})
+    if rounding == "gptq" and calibration_text is None:
+        raise ConversionError("--rounding gptq needs --calibration-text (its Hessians come from calibration)")
     if calibration_text is not None:
-        calibration, norm_scales = calibration_transform(src, calibration_text, calibration_tokens, config)
+        calibration, norm_scales = calibration_transform(src, calibration_text, calibration_tokens, config,
+                                                         rounding)
     partial = dst.with_name(dst.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -178,11 +211,11 @@ def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | No
             (partial / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1))
         model_config["quantization_config"] = {
-            **config.to_json(), "calibrated": calibration_text is not None,
+            **config.to_json(), "calibrated": calibration_text is not None, "rounding": rounding,
             "quantized_layers": calibrate.QUANTIZED.pattern,
         }
         (partial / "config.json").write_text(json.dumps(model_config, indent=2))
-        input_scales = {module: scale for module, (_, scale) in calibration.items() if scale is not None}
+        input_scales = {module: c.scale for module, c in calibration.items() if c.scale is not None}
         if input_scales:
             (partial / INPUT_SCALES_FILE).parent.mkdir()
             # clones: the linears of one norm share its scale, and safetensors refuses shared storage
@@ -212,10 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=A3BConfig.iterations)
     parser.add_argument("--calibration-text", type=Path, help="text file for activation-aware calibration")
     parser.add_argument("--calibration-tokens", type=int, default=2048)
+    parser.add_argument("--rounding", choices=("nearest", "gptq"), default="nearest",
+                        help="gptq: error-compensating rounding in column order (needs --calibration-text)")
     args = parser.parse_args(argv)
     try:
         config = A3BConfig(args.block_shape[0], args.block_shape[1], iterations=args.iterations)
-        convert(args.src, args.dst, config, args.calibration_text, args.calibration_tokens)
+        convert(args.src, args.dst, config, args.calibration_text, args.calibration_tokens, args.rounding)
     except (ConversionError, QuantizationError) as exc:
         print(f"a3b-quantize: error: {exc}", file=sys.stderr)
         return 2
