@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 MODEL_DIR ?= models/smollm2-135m-instruct
 QWEN_TINY_DIR := models/qwen3.6-tiny
 
-.PHONY: setup model model-qwen serve test test-distributed test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust bench-overload bench-serving-path bench-overhead bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu kv-report quality clean
+.PHONY: setup model model-qwen serve test test-distributed test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust bench-overload bench-serving-path bench-overhead bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu kv-report quality quant-tools compare-quant clean
 
 setup:
 	bash scripts/setup.sh
@@ -115,6 +115,15 @@ bench-cpu-linear: setup
 # bf16 vs A3B (each CPU strategy) side by side: speed, memory, greedy agreement
 bench-a3b: setup model
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) perf/a3b_vs_bf16.py
+
+# llm-compressor in .venv-quant, for the peer checkpoints of compare-quant
+quant-tools:
+	bash scripts/quant_tools.sh
+
+# A3B vs llm-compressor's GPTQ / AWQ W4A16 served by stock vLLM: perf/results/quant_compare/
+# (first run converts the checkpoints into models/quant_compare/: ~20 min on 2 cores)
+compare-quant: setup model quant-tools
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) perf/quant_compare/compare.py
 
 # A3B kernels on a CUDA GPU: checks against the references, then timings (perf/results/gpu/)
 bench-gpu:

