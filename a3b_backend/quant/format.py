@@ -179,7 +179,7 @@ def stack(weights: list[A3BWeight]) -> A3BWeight:
 
 # ---------------------------------------------------------------------------
 # Block layout
-def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+def padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     out, inp = x.shape
     return torch.nn.functional.pad(x, (0, (-inp) % cols, 0, (-out) % rows))
 
@@ -303,8 +303,8 @@ def quantize(weight: torch.Tensor, config: A3BConfig = A3BConfig(), col_importan
     w = weight.detach().float()
     out, inp = w.shape
     h_cols = torch.ones(inp) if col_importance is None else col_importance.detach().float().clamp_min(0) + 1e-8
-    mask = _padded(torch.ones_like(w), rows, cols)
-    wp, hp = _padded(w, rows, cols), _padded(h_cols.expand(out, inp), rows, cols) * mask
+    mask = padded(torch.ones_like(w), rows, cols)
+    wp, hp = padded(w, rows, cols), padded(h_cols.expand(out, inp), rows, cols) * mask
     nbr, nbc = wp.shape[0] // rows, wp.shape[1] // cols
     wb, hb = to_blocks(wp, rows, cols), to_blocks(hp, rows, cols)
     lo_q, lo_scale, step_q, step_scale, delta_q = _quantize_metadata(fit_blocks(wb, hb, config.iterations), nbr, nbc)
@@ -338,7 +338,7 @@ def dequantize(weight: A3BWeight, config: A3BConfig) -> torch.Tensor:
     check_shapes(weight, config.block)
     out, inp = weight.out_features, weight.in_features
     nbr, nbc = weight.lo.shape
-    codes = _padded(unpack_codes(weight.packed), rows, cols)
+    codes = padded(unpack_codes(weight.packed), rows, cols)
     lo, step, delta = table_params(weight)
     device = weight.packed.device
     level = torch.arange(16, device=device) >> 1

@@ -2,24 +2,24 @@
 
 `format.quantize` fits each block's table (lo, step, delta) by an
 importance-weighted Lloyd fit and rounds every weight to its nearest entry.
-Here the tables come from the same fit (importance = the diagonal of the
-layer's input Hessian H = E[x x^T]); then the codes are chosen one input
-column at a time, and each column's rounding error is pushed onto the columns
-not yet rounded through the inverse Hessian, so they absorb it (GPTQ, Frantar
+Here the codes are chosen one input column at a time, and each column's
+rounding error is pushed onto the columns not yet rounded through the inverse
+Hessian H = E[x x^T] of the layer's inputs, so they absorb it (GPTQ, Frantar
 et al. 2022: W[:, j+1:] -= err_j * Hinv[j, j+1:] / Hinv[j, j], with Hinv
-taken as its upper Cholesky factor). The stored tables are the fitted ones;
-only the codes differ from nearest rounding.
+taken as its upper Cholesky factor). Each column block's table is refitted
+(the same importance-weighted fit, importance = diag H) on the weights as
+the earlier blocks' errors left them, just before its codes are chosen, and
+stored against the row scales of the first fit.
 """
 from __future__ import annotations
 
 import torch
 
-from a3b_backend.quant.format import A3BConfig, A3BWeight, assign, pack_codes, quantize, table_params
+from a3b_backend.quant.format import (TINY, A3BConfig, A3BWeight, assign, fit_blocks, pack_codes, padded, quantize,
+                                     table_params, to_blocks)
 
 # Added to H's diagonal, as a share of its mean: keeps the Cholesky factorization stable.
 DAMPING = 0.01
-# Columns updated together before their error is pushed onto the rest.
-COLUMN_BATCH = 128
 
 
 def hessian_inverse_factor(hessian: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
@@ -32,26 +32,46 @@ def hessian_inverse_factor(hessian: torch.Tensor, damping: float = DAMPING) -> t
     return torch.linalg.cholesky(inverse, upper=True).float()
 
 
-def _per_element(table: torch.Tensor, config: A3BConfig, out: int, inp: int) -> torch.Tensor:
+def _refit_block(q: A3BWeight, config: A3BConfig, w: torch.Tensor, importance: torch.Tensor, block: int) -> None:
+    """Refits column block `block` of q's tables to w [out, in] and stores it against q's row scales."""
     rows, cols = config.block
-    return table.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:out, :inp]
+    start, end = block * cols, min((block + 1) * cols, w.shape[1])
+    nbr = q.lo.shape[0]
+    slab = to_blocks(padded(w[:, start:end], rows, cols), rows, cols)
+    weights = to_blocks(padded(importance[start:end].expand(w.shape[0], -1).contiguous(), rows, cols), rows, cols)
+    mask = to_blocks(padded(torch.ones(w.shape[0], end - start), rows, cols), rows, cols)
+    lo, step, delta = (t.reshape(nbr) for t in fit_blocks(slab, weights * mask, config.iterations))
+    lo_scale, step_scale = q.lo_scale.float(), q.step_scale.float()
+    step_q = (step / step_scale).round().clamp(0, 255)
+    q.lo[:, block] = (lo / lo_scale).round().clamp(-127, 127).to(q.lo.dtype)
+    q.step[:, block] = step_q.to(q.step.dtype)
+    q.delta[:, block] = (delta / (step_q * step_scale).clamp_min(TINY) * 255).round().clamp(0, 255).to(q.delta.dtype)
+
+
+def _block_table(q: A3BWeight, config: A3BConfig, block: int, out: int) -> tuple[torch.Tensor, ...]:
+    """Column block `block`'s stored (lo, step, delta), one value per output row."""
+    rows, _ = config.block
+    return tuple(t[:, block].repeat_interleave(rows)[:out] for t in table_params(q))
 
 
 def quantize_gptq(weight: torch.Tensor, config: A3BConfig, hessian: torch.Tensor, name: str = "weight") -> A3BWeight:
     """W[out, in] -> A3B with codes chosen in column order against H[in, in] (inputs' second moments)."""
-    q = quantize(weight, config, col_importance=hessian.diagonal(), name=name)
+    importance = hessian.diagonal().clamp_min(0) + 1e-8
+    q = quantize(weight, config, col_importance=importance, name=name)
     out, inp = weight.shape
-    lo, step, delta = (_per_element(t, config, out, inp) for t in table_params(q))
+    cols = config.block[1]
     w = weight.detach().float().clone()
     w[:, hessian.diagonal() == 0] = 0
     factor = hessian_inverse_factor(hessian)
     codes = torch.zeros(out, inp + inp % 2, dtype=torch.uint8)
-    for start in range(0, inp, COLUMN_BATCH):
-        end = min(start + COLUMN_BATCH, inp)
+    for start in range(0, inp, cols):
+        end = min(start + cols, inp)
+        _refit_block(q, config, w, importance, start // cols)
+        lo, step, delta = _block_table(q, config, start // cols, out)
         batch, errors = w[:, start:end].clone(), torch.zeros(out, end - start)
         for i, col in enumerate(range(start, end)):
-            level, plus = assign(batch[:, i], lo[:, col], step[:, col], delta[:, col])
-            value = lo[:, col] + level * step[:, col] + torch.where(plus, delta[:, col], -delta[:, col])
+            level, plus = assign(batch[:, i], lo, step, delta)
+            value = lo + level * step + torch.where(plus, delta, -delta)
             errors[:, i] = (batch[:, i] - value) / factor[col, col]
             batch[:, i:] -= errors[:, i:i + 1] * factor[col, col:end].unsqueeze(0)
             codes[:, col] = (level.to(torch.uint8) << 1) | plus.to(torch.uint8)
