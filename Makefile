@@ -121,7 +121,7 @@ quant-tools:
 	bash scripts/quant_tools.sh
 
 # A3B vs llm-compressor's GPTQ / AWQ W4A16 served by stock vLLM: perf/results/quant_compare/
-# (first run converts the checkpoints into models/quant_compare/: ~20 min on 2 cores)
+# (the first run also converts the checkpoints into models/quant_compare/; times in the README)
 compare-quant: setup model quant-tools
 	VLLM_CPU_KVCACHE_SPACE=1 $(PY) perf/quant_compare/compare.py
 

@@ -206,8 +206,11 @@ def measure(chosen: list[Variant], rounds: int) -> list[dict]:
     return rows
 
 
-def _agreement(row: dict, base: dict) -> int:
-    return sum(a == b for a, b in zip(row["greedy_tokens"], base["greedy_tokens"]))
+def _agreement(row: dict, base: dict) -> tuple[int, float]:
+    """Prompts whose greedy tokens all equal bf16's, and the mean length of the common prefix."""
+    pairs = list(zip(row["greedy_tokens"], base["greedy_tokens"]))
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) for a, b in pairs]
+    return sum(a == b for a, b in pairs), statistics.mean(prefix)
 
 
 def markdown(rows: list[dict]) -> str:
@@ -215,14 +218,18 @@ def markdown(rows: list[dict]) -> str:
     peers = [r for r in rows if r["variant"].startswith(("GPTQ", "AWQ"))]
     fastest_peer = max((statistics.median(r["decode"]) for r in peers), default=float("nan"))
     lines = ["| variant | bits/weight (stored) | resident linear MiB | perplexity | vs bf16 | greedy = bf16 "
-             "(of 50) | decode tok/s (median) | vs best peer | TTFT ms (median) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"(of {len(base['greedy_tokens'])}) | mean common prefix (of {AGREEMENT_TOKENS}) | decode tok/s (median) "
+             "| vs best peer | TTFT ms (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         speed = statistics.median(r["decode"])
+        same, prefix = _agreement(r, base)
+        # vLLM's CPU GEMM for unquantized layers repacks the weights outside the layers' parameters
+        resident = f"{r['linear_resident_bytes'] / 2**20:.1f}" if r["linear_resident_bytes"] else "repacked by vLLM"
         lines.append(
-            f"| {r['variant']} | {r['bits_per_weight']:.3f} | {r['linear_resident_bytes'] / 2**20:.1f} | "
+            f"| {r['variant']} | {r['bits_per_weight']:.3f} | {resident} | "
             f"{r['perplexity']:.2f} | {100 * (r['perplexity'] / base['perplexity'] - 1):+.1f}% | "
-            f"{_agreement(r, base)} | {speed:.1f} | {speed / fastest_peer:.2f}x | "
+            f"{same} | {prefix:.1f} | {speed:.1f} | {speed / fastest_peer:.2f}x | "
             f"{1000 * statistics.median(r['ttft']):.0f} |")
     return "\n".join(lines) + "\n"
 
@@ -235,11 +242,12 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in rows:
-        speed = statistics.median(r["decode"])
         axes[0].scatter(r["bits_per_weight"], r["perplexity"], s=40)
         axes[0].annotate(r["variant"], (r["bits_per_weight"], r["perplexity"]), fontsize=8)
-        axes[1].scatter(r["linear_resident_bytes"] / 2**20, speed, s=40)
-        axes[1].annotate(r["variant"], (r["linear_resident_bytes"] / 2**20, speed), fontsize=8)
+        if r["linear_resident_bytes"]:  # 0: repacked outside the layers' parameters, not measured
+            point = (r["linear_resident_bytes"] / 2**20, statistics.median(r["decode"]))
+            axes[1].scatter(*point, s=40)
+            axes[1].annotate(r["variant"], point, fontsize=8)
     axes[0].set(xlabel="bits/weight (stored)", ylabel="perplexity through vLLM", xscale="log", yscale="log",
                 title="quality vs size")
     axes[1].set(xlabel="resident linear-layer MiB in the engine", ylabel="decode tokens/s (median)",
