@@ -10,9 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${PERF_VENV:-.venv-perf}
 PYTHON=${PYTHON:-python3}
-STAMP="$VENV/.setup-stamp"
-want="$(sha256sum scripts/perf_tools.sh | cut -d' ' -f1)"
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
+source scripts/venv_stamp.sh
+if stamp_current "$VENV" scripts/perf_tools.sh; then
   exit 0
 fi
 if ! ldconfig -p | grep -q libb64.so.0d; then
@@ -31,5 +30,5 @@ AIPERF=${AIPERF_VENV:-.venv-aiperf}
 echo "==> creating $AIPERF with aiperf"
 "$PYTHON" -m venv "$AIPERF"
 "$AIPERF/bin/python" -m pip install -q --disable-pip-version-check "aiperf==0.13.0"
-echo "$want" > "$STAMP"
+stamp_write "$VENV" scripts/perf_tools.sh
 echo "==> ready: scripts/perf_analyzer.sh --help, scripts/genai_perf.sh --help, $GENAI/bin/locust, $AIPERF/bin/aiperf"

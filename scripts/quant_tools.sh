@@ -7,13 +7,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${QUANT_VENV:-.venv-quant}
 PYTHON=${PYTHON:-python3}
-STAMP="$VENV/.setup-stamp"
-want="$(sha256sum scripts/quant_tools.sh | cut -d' ' -f1)"
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
+source scripts/venv_stamp.sh
+if stamp_current "$VENV" scripts/quant_tools.sh; then
   exit 0
 fi
 echo "==> creating $VENV with llm-compressor (a few minutes)"
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "llmcompressor==0.14.0.1"
-echo "$want" > "$STAMP"
+stamp_write "$VENV" scripts/quant_tools.sh
 echo "==> ready: $VENV/bin/python perf/quant_compare/peers.py --help"
