@@ -1,13 +1,15 @@
 // A3B linear on the CPU, reading the 4-bit codes in place.
 //
 // Each block is a 16-entry value table (docs/a3b_format.md), decoded per block
-// from the stored double-quantized metadata. With AVX2 a weight's value is two
-// 8-lane table permutes and a blend on its code, so 8 weights cost a handful of
-// instructions and are reused for every row of x; other CPUs take the scalar loop.
+// from the stored double-quantized metadata. With AVX-512 the whole table sits
+// in one register and 16 weights' values are one permute on their codes; with
+// AVX2 8 weights take two 8-lane permutes and a blend. Either way the values
+// are reused for every row of x; other CPUs take the scalar loop.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#ifdef __AVX2__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#define A3B_SIMD 1
 #endif
 
 #include <vector>
@@ -15,6 +17,33 @@
 namespace {
 
 constexpr int64_t kMaxRows = 8;  // FUSED_MAX_ROWS in __init__.py
+
+// The widest float vector the build targets, and the few operations on it the kernel uses.
+#if defined(__AVX512F__)
+using VecF = __m512;
+constexpr int kLanes = 16;
+inline VecF vzero() { return _mm512_setzero_ps(); }
+inline VecF vload(const float* p) { return _mm512_loadu_ps(p); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VecF vadd(VecF a, VecF b) { return _mm512_add_ps(a, b); }
+inline void vstore(float* p, VecF a) { _mm512_storeu_ps(p, a); }
+inline float vsum(VecF a) { return _mm512_reduce_add_ps(a); }
+#elif defined(__AVX2__)
+using VecF = __m256;
+constexpr int kLanes = 8;
+inline VecF vzero() { return _mm256_setzero_ps(); }
+inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VecF vadd(VecF a, VecF b) { return _mm256_add_ps(a, b); }
+inline void vstore(float* p, VecF a) { _mm256_storeu_ps(p, a); }
+inline float vsum(VecF a) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, a);
+  float sum = 0.0f;
+  for (float lane : lanes) sum += lane;
+  return sum;
+}
+#endif
 
 struct Meta {
   const uint8_t* packed;
@@ -58,20 +87,28 @@ inline void block_table(const Meta& m, int64_t row, int64_t b, float* table) {
   for (int c = 0; c < 16; ++c) table[c] = lo + float(c >> 1) * step + float(2 * (c & 1) - 1) * d;
 }
 
-// Calls vec(i, values of weights i..i+7) for each whole group of 8 weights of
-// one block row, then one(i, value) for the tail; `codes` starts at the block.
+// Calls vec(i, values of weights i..i+kLanes-1) for each whole group of 32
+// weights of one block row, then one(i, value) for the tail; `codes` starts at the block.
 template <typename Vec, typename One>
 inline void for_each_weight(const uint8_t* codes, int64_t width, const float* table, Vec vec, One one) {
   int64_t i = 0;
-#ifdef __AVX2__
-  const __m256 lo_table = _mm256_loadu_ps(table), hi_table = _mm256_loadu_ps(table + 8);
+#ifdef A3B_SIMD
   const __m128i nibble = _mm_set1_epi8(0x0F);
+#if defined(__AVX512F__)
+  const __m512 table16 = _mm512_loadu_ps(table);
+#else
+  const __m256 lo_table = _mm256_loadu_ps(table), hi_table = _mm256_loadu_ps(table + 8);
+#endif
   for (; i + 32 <= width; i += 32) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i / 2));
     const __m128i low = _mm_and_si128(bytes, nibble);
     const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
     // Column order: the low nibble of byte j is column 2j, the high one 2j+1.
     const __m128i first = _mm_unpacklo_epi8(low, high), second = _mm_unpackhi_epi8(low, high);
+#if defined(__AVX512F__)
+    vec(i, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(first), table16));
+    vec(i + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(second), table16));
+#else
     const __m128i groups[4] = {first, _mm_srli_si128(first, 8), second, _mm_srli_si128(second, 8)};
     for (int g = 0; g < 4; ++g) {
       const __m256i c = _mm256_cvtepu8_epi32(groups[g]);
@@ -80,6 +117,7 @@ inline void for_each_weight(const uint8_t* codes, int64_t width, const float* ta
       // Bit 3 of the code picks the table half: move it to the sign bit for blendv.
       vec(i + 8 * g, _mm256_blendv_ps(from_low, from_high, _mm256_castsi256_ps(_mm256_slli_epi32(c, 28))));
     }
+#endif
   }
 #endif
   for (; i < width; ++i) one(i, table[(codes[i / 2] >> ((i & 1) * 4)) & 15]);
@@ -93,14 +131,14 @@ template <int M>
 void linear_rows(const Meta& m, const float* xp, float* yp, int64_t begin, int64_t end) {
   // With one row of x, four accumulators break the FMA dependency chain.
   constexpr int kChains = M == 1 ? 4 : (M == 2 ? 2 : 1);
-  alignas(32) float table[16];
+  alignas(64) float table[16];
   const int64_t K = m.k, cols = m.cols;
   for (int64_t row = begin; row < end; ++row) {
     float acc[M] = {0.0f};
-#ifdef __AVX2__
-    __m256 acc8[M][kChains];
+#ifdef A3B_SIMD
+    VecF accv[M][kChains];
     for (int r = 0; r < M; ++r)
-      for (int g = 0; g < kChains; ++g) acc8[r][g] = _mm256_setzero_ps();
+      for (int g = 0; g < kChains; ++g) accv[r][g] = vzero();
 #endif
     const uint8_t* codes = m.packed + row * m.kp;
     for (int64_t b = 0; b < m.nbc; ++b) {
@@ -109,10 +147,9 @@ void linear_rows(const Meta& m, const float* xp, float* yp, int64_t begin, int64
       for_each_weight(
           codes + c0 / 2, std::min(cols, K - c0), table,
           [&](int64_t i, auto values) {
-#ifdef __AVX2__
-            const int g = (i / 8) % kChains;
-            for (int r = 0; r < M; ++r)
-              acc8[r][g] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + r * K + c0 + i), values, acc8[r][g]);
+#ifdef A3B_SIMD
+            const int g = (i / kLanes) % kChains;
+            for (int r = 0; r < M; ++r) accv[r][g] = vfma(vload(xp + r * K + c0 + i), values, accv[r][g]);
 #endif
           },
           [&](int64_t i, float value) {
@@ -120,12 +157,10 @@ void linear_rows(const Meta& m, const float* xp, float* yp, int64_t begin, int64
           });
     }
     for (int r = 0; r < M; ++r) {
-#ifdef __AVX2__
-      alignas(32) float lanes[8];
-      __m256 sum = acc8[r][0];
-      for (int g = 1; g < kChains; ++g) sum = _mm256_add_ps(sum, acc8[r][g]);
-      _mm256_store_ps(lanes, sum);
-      for (float lane : lanes) acc[r] += lane;
+#ifdef A3B_SIMD
+      VecF sum = accv[r][0];
+      for (int g = 1; g < kChains; ++g) sum = vadd(sum, accv[r][g]);
+      acc[r] += vsum(sum);
 #endif
       yp[r * m.n + row] = acc[r];
     }
@@ -174,8 +209,8 @@ torch::Tensor a3b_dequantize(const torch::Tensor& packed, const torch::Tensor& l
         for_each_weight(
             m.packed + row * m.kp + c0 / 2, std::min(cols, m.k - c0), table,
             [&](int64_t i, auto values) {
-#ifdef __AVX2__
-              _mm256_storeu_ps(out + i, values);
+#ifdef A3B_SIMD
+              vstore(out + i, values);
 #endif
             },
             [&](int64_t i, float value) { out[i] = value; });
