@@ -97,7 +97,8 @@ def assert_same_up_to_a_tie(together: list[int], solo: list[int], solo_steps: li
         assert together == solo
         return
     best, second = sorted(solo_steps[step].values(), reverse=True)[:2]
-    assert best - second <= TIE_MARGIN, (f"step {step}: {together[step]} instead of {solo[step]} where the solo "
+    # one grid step apart counts as a tie; the float32 log-probs put that step at 0.125 +- 1e-6
+    assert best - second <= TIE_MARGIN + 1e-4, (f"step {step}: {together[step]} instead of {solo[step]} where the solo "
                                          f"run's margin was {best - second:.3f}")
 
 
