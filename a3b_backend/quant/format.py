@@ -179,7 +179,7 @@ def stack(weights: list[A3BWeight]) -> A3BWeight:
 
 # ---------------------------------------------------------------------------
 # Block layout
-def padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     out, inp = x.shape
     return torch.nn.functional.pad(x, (0, (-inp) % cols, 0, (-out) % rows))
 
@@ -192,6 +192,17 @@ def to_blocks(matrix: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 def from_blocks(blocks: torch.Tensor, nbr: int, nbc: int, rows: int, cols: int) -> torch.Tensor:
     return blocks.reshape(nbr, nbc, rows, cols).permute(0, 2, 1, 3).reshape(nbr * rows, nbc * cols)
+
+
+def weighted_blocks(w: torch.Tensor, col_importance: torch.Tensor | None, block: tuple[int, int]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] and its per-weight fit weights (col_importance[in], or 1) as blocks; the
+    padding of partial blocks weighs 0."""
+    rows, cols = block
+    out, inp = w.shape
+    h_cols = torch.ones(inp) if col_importance is None else col_importance.detach().float().clamp_min(0) + 1e-8
+    return (to_blocks(_padded(w, rows, cols), rows, cols),
+            to_blocks(_padded(h_cols.expand(out, inp), rows, cols), rows, cols))
 
 
 # ---------------------------------------------------------------------------
@@ -263,12 +274,18 @@ def _quantize_metadata(table: Table, nbr: int, nbc: int) -> tuple[torch.Tensor, 
     # bf16 scales: fp32's range (huge and tiny weights survive) at half the bytes;
     # the int8/uint8 values are computed against the rounded scale.
     lo_scale = (lo.abs().amax(1) / 127).clamp_min(TINY).to(torch.bfloat16).float()
-    lo_q = (lo / lo_scale[:, None]).round().clamp(-127, 127)
     step_scale = (step.amax(1) / 255).clamp_min(TINY).to(torch.bfloat16).float()
-    step_q = (step / step_scale[:, None]).round().clamp(0, 255)
-    step_deq = step_q * step_scale[:, None]
-    delta_q = (delta / step_deq.clamp_min(TINY) * 255).round().clamp(0, 255)
+    lo_q, step_q, delta_q = metadata_codes((lo, step, delta), lo_scale, step_scale)
     return lo_q, lo_scale, step_q, step_scale, delta_q
+
+
+def metadata_codes(table: Table, lo_scale: torch.Tensor, step_scale: torch.Tensor) -> Table:
+    """Stored (lo, step, delta) values of tables [nbr, k] against their rows' scales [nbr]."""
+    lo, step, delta = table
+    lo_q = (lo / lo_scale[:, None]).round().clamp(-127, 127)
+    step_q = (step / step_scale[:, None]).round().clamp(0, 255)
+    delta_q = (delta / (step_q * step_scale[:, None]).clamp_min(TINY) * 255).round().clamp(0, 255)
+    return lo_q, step_q, delta_q
 
 
 def table_params(weight: A3BWeight) -> Table:
@@ -302,11 +319,8 @@ def quantize(weight: torch.Tensor, config: A3BConfig = A3BConfig(), col_importan
     rows, cols = config.block
     w = weight.detach().float()
     out, inp = w.shape
-    h_cols = torch.ones(inp) if col_importance is None else col_importance.detach().float().clamp_min(0) + 1e-8
-    mask = padded(torch.ones_like(w), rows, cols)
-    wp, hp = padded(w, rows, cols), padded(h_cols.expand(out, inp), rows, cols) * mask
-    nbr, nbc = wp.shape[0] // rows, wp.shape[1] // cols
-    wb, hb = to_blocks(wp, rows, cols), to_blocks(hp, rows, cols)
+    nbr, nbc = ceil_div(out, rows), ceil_div(inp, cols)
+    wb, hb = weighted_blocks(w, col_importance, config.block)
     lo_q, lo_scale, step_q, step_scale, delta_q = _quantize_metadata(fit_blocks(wb, hb, config.iterations), nbr, nbc)
     q = A3BWeight(
         packed=torch.empty(0), lo=lo_q.to(torch.int8), step=step_q.to(torch.uint8), delta=delta_q.to(torch.uint8),
@@ -338,7 +352,7 @@ def dequantize(weight: A3BWeight, config: A3BConfig) -> torch.Tensor:
     check_shapes(weight, config.block)
     out, inp = weight.out_features, weight.in_features
     nbr, nbc = weight.lo.shape
-    codes = padded(unpack_codes(weight.packed), rows, cols)
+    codes = _padded(unpack_codes(weight.packed), rows, cols)
     lo, step, delta = table_params(weight)
     device = weight.packed.device
     level = torch.arange(16, device=device) >> 1

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from a3b_backend.quant.format import (TINY, A3BConfig, A3BWeight, assign, fit_blocks, pack_codes, padded, quantize,
-                                     table_params, to_blocks)
+from a3b_backend.quant.format import (A3BConfig, A3BWeight, assign, fit_blocks, metadata_codes, pack_codes, quantize,
+                                     table_params, weighted_blocks)
 
 # Added to H's diagonal, as a share of its mean: keeps the Cholesky factorization stable.
 DAMPING = 0.01
@@ -34,18 +34,14 @@ def hessian_inverse_factor(hessian: torch.Tensor, damping: float = DAMPING) -> t
 
 def _refit_block(q: A3BWeight, config: A3BConfig, w: torch.Tensor, importance: torch.Tensor, block: int) -> None:
     """Refits column block `block` of q's tables to w [out, in] and stores it against q's row scales."""
-    rows, cols = config.block
+    cols = config.block[1]
     start, end = block * cols, min((block + 1) * cols, w.shape[1])
+    table = fit_blocks(*weighted_blocks(w[:, start:end], importance[start:end], config.block), config.iterations)
     nbr = q.lo.shape[0]
-    slab = to_blocks(padded(w[:, start:end], rows, cols), rows, cols)
-    weights = to_blocks(padded(importance[start:end].expand(w.shape[0], -1).contiguous(), rows, cols), rows, cols)
-    mask = to_blocks(padded(torch.ones(w.shape[0], end - start), rows, cols), rows, cols)
-    lo, step, delta = (t.reshape(nbr) for t in fit_blocks(slab, weights * mask, config.iterations))
-    lo_scale, step_scale = q.lo_scale.float(), q.step_scale.float()
-    step_q = (step / step_scale).round().clamp(0, 255)
-    q.lo[:, block] = (lo / lo_scale).round().clamp(-127, 127).to(q.lo.dtype)
-    q.step[:, block] = step_q.to(q.step.dtype)
-    q.delta[:, block] = (delta / (step_q * step_scale).clamp_min(TINY) * 255).round().clamp(0, 255).to(q.delta.dtype)
+    lo_q, step_q, delta_q = metadata_codes(tuple(t.reshape(nbr, 1) for t in table), q.lo_scale.float(),
+                                           q.step_scale.float())
+    for stored, value in ((q.lo, lo_q), (q.step, step_q), (q.delta, delta_q)):
+        stored[:, block] = value[:, 0].to(stored.dtype)
 
 
 def _block_table(q: A3BWeight, config: A3BConfig, block: int, out: int) -> tuple[torch.Tensor, ...]:
@@ -56,7 +52,7 @@ def _block_table(q: A3BWeight, config: A3BConfig, block: int, out: int) -> tuple
 
 def quantize_gptq(weight: torch.Tensor, config: A3BConfig, hessian: torch.Tensor, name: str = "weight") -> A3BWeight:
     """W[out, in] -> A3B with codes chosen in column order against H[in, in] (inputs' second moments)."""
-    importance = hessian.diagonal().clamp_min(0) + 1e-8
+    importance = hessian.diagonal()
     q = quantize(weight, config, col_importance=importance, name=name)
     out, inp = weight.shape
     cols = config.block[1]
