@@ -34,7 +34,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from safetensors import safe_open
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=A3BConfig.iterations)
     parser.add_argument("--calibration-text", type=Path, help="text file for activation-aware calibration")
     parser.add_argument("--calibration-tokens", type=int, default=2048)
-    parser.add_argument("--rounding", choices=("nearest", "gptq"), default="nearest",
+    parser.add_argument("--rounding", choices=get_args(Rounding), default="nearest",
                         help="gptq: error-compensating rounding in column order (needs --calibration-text)")
     args = parser.parse_args(argv)
     try:

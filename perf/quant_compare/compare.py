@@ -72,27 +72,23 @@ def calibration_text() -> Path:
 
 
 def variants(calibration: Path) -> list[Variant]:
-    a3b = [sys.executable, "-m", "a3b_backend.quant.convert", str(BF16_DIR)]
-    peer = [str(QUANT_PYTHON), str(Path(__file__).with_name("peers.py")), "--model", str(BF16_DIR),
+    calibrated = ["--calibration-text", str(calibration), "--calibration-tokens", str(SEQUENCES * SEQ_LEN)]
+
+    def a3b(name: str, slug: str, *options: str) -> Variant:
+        out = WORK_DIR / slug
+        return Variant(name, out, [sys.executable, "-m", "a3b_backend.quant.convert", str(BF16_DIR), str(out),
+                                   *options])
+
+    def llm_compressor(method: str) -> Variant:
+        out = WORK_DIR / method
+        return Variant(f"{method.upper()} W4A16 g{GROUP_SIZE}", out, [
+            str(QUANT_PYTHON), str(Path(__file__).with_name("peers.py")), "--model", str(BF16_DIR),
             "--calibration", str(calibration), "--group-size", str(GROUP_SIZE), "--sequences", str(SEQUENCES),
-            "--seq-len", str(SEQ_LEN)]
-    out = {name: WORK_DIR / slug for name, slug in (("A3B", "a3b"), ("A3B + GPTQ rounding", "a3b-gptq"),
-                                                  ("A3B uncalibrated", "a3b-uncalibrated"),
-                                                  (f"GPTQ W4A16 g{GROUP_SIZE}", "gptq"),
-                                                  (f"AWQ W4A16 g{GROUP_SIZE}", "awq"))}
-    return [
-        Variant("bf16", BF16_DIR, None),
-        Variant("A3B", out["A3B"], [*a3b, str(out["A3B"]), "--calibration-text", str(calibration),
-                                    "--calibration-tokens", str(SEQUENCES * SEQ_LEN)]),
-        Variant("A3B + GPTQ rounding", out["A3B + GPTQ rounding"],
-                [*a3b, str(out["A3B + GPTQ rounding"]), "--calibration-text", str(calibration),
-                 "--calibration-tokens", str(SEQUENCES * SEQ_LEN), "--rounding", "gptq"]),
-        Variant("A3B uncalibrated", out["A3B uncalibrated"], [*a3b, str(out["A3B uncalibrated"])]),
-        Variant(f"GPTQ W4A16 g{GROUP_SIZE}", out[f"GPTQ W4A16 g{GROUP_SIZE}"],
-                [*peer, "--method", "gptq", "--out", str(out[f"GPTQ W4A16 g{GROUP_SIZE}"])]),
-        Variant(f"AWQ W4A16 g{GROUP_SIZE}", out[f"AWQ W4A16 g{GROUP_SIZE}"],
-                [*peer, "--method", "awq", "--out", str(out[f"AWQ W4A16 g{GROUP_SIZE}"])]),
-    ]
+            "--seq-len", str(SEQ_LEN), "--method", method, "--out", str(out)])
+
+    return [Variant("bf16", BF16_DIR, None), a3b("A3B", "a3b", *calibrated),
+            a3b("A3B + GPTQ rounding", "a3b-gptq", *calibrated, "--rounding", "gptq"),
+            a3b("A3B uncalibrated", "a3b-uncalibrated"), llm_compressor("gptq"), llm_compressor("awq")]
 
 
 def build(variant: Variant) -> float | None:
