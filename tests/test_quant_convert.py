@@ -257,3 +257,19 @@ def test_experts_are_fitted_on_their_moe_blocks_input(tmp_path, tokenizer, model
     assert all(torch.equal(fitted[k], expected[k]) for k in expected)
     plain = quantize(w, CONFIG, name=name).tensors(name)
     assert any(not torch.equal(fitted[k], plain[k]) for k in plain)
+
+
+def test_hessians_are_the_inputs_second_moments(tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from a3b_backend.quant import calibrate
+
+    model = AutoModelForCausalLM.from_pretrained(tiny(tmp_path, "llama", vocab_size=len(tokenizer)),
+                                                 dtype=torch.float32)
+    ids = torch.tensor(tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)[:64])
+    stats = calibrate.collect(model, ids, seq_len=32, hessians=True)
+    for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
+        st = stats[f"model.layers.1.{name}"]
+        assert torch.allclose(st.hessian.diagonal(), st.importance, rtol=1e-5)
+    q, v = stats["model.layers.0.self_attn.q_proj"], stats["model.layers.0.self_attn.v_proj"]
+    assert torch.equal(q.gram, v.gram)  # one input, one x^T x

@@ -132,6 +132,8 @@ def collect(model: torch.nn.Module, token_ids: torch.Tensor, seq_len: int = 512,
     """Run the model over token_ids in windows of seq_len; input channel statistics per quantized
     linear and per MoE block (with hessians=True, each linear's full E[x x^T] too)."""
     stats: dict[str, ChannelStats] = {}
+    # q/k/v (and gate/up) read the same input tensor: its x^T x is computed once
+    last_gram: dict[str, torch.Tensor] = {}
 
     def record(_mod, args, _out, name, gram):
         x = args[0].detach().float().reshape(-1, args[0].shape[-1])
@@ -141,7 +143,9 @@ def collect(model: torch.nn.Module, token_ids: torch.Tensor, seq_len: int = 512,
         st.abs_sum += x.abs().sum(0)
         st.count += x.shape[0]
         if gram:
-            st.gram += x.T @ x
+            if last_gram.get("input") is not args[0]:
+                last_gram.update(input=args[0], gram=x.T @ x)
+            st.gram += last_gram["gram"]
 
     hooks = [module.register_forward_hook(functools.partial(record, name=name, gram=hessians))
              for name, module in quantized_linears(model).items()]
