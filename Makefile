@@ -95,10 +95,11 @@ bench-shutdown: setup model
 
 # the serving path's ceiling without the engine: our repository with a token
 # source as a3b_llm, perf_analyzer at 1..256 streams (starts its own server);
-# as a3b_llm sends (tokens due meanwhile in one response), then one per token
+# paced as a3b_llm sends, then unpaced, then one response per token
 bench-serving-path: setup model perf-tools
 	$(PY) perf/serving_path.py
-	$(PY) perf/serving_path.py --no-coalesce --out perf/results/serving_path/no_coalescing
+	$(PY) perf/serving_path.py --sending coalesced --out perf/results/serving_path/unpaced
+	$(PY) perf/serving_path.py --sending per-token --out perf/results/serving_path/per_token
 
 # bare AsyncLLM vs a3b_llm vs ensemble, same prompts, interleaved (starts its own server)
 bench-overhead: setup model

@@ -36,6 +36,10 @@ class EngineHost:
         on_state(True)
 
     @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
     def healthy(self) -> bool:
         return not self._restarting and not self.engine.errored
 
@@ -115,8 +119,8 @@ class EngineHost:
         if not self.healthy:
             needs = f"; {self._restart_needs}" if self._restart_needs else ""
             return f"engine restarting after a failure; retry in a few seconds{needs}"
-        if len(self._in_flight) >= max_in_flight:
-            return (f"server busy: {len(self._in_flight)} requests in flight, the limit is {max_in_flight} "
+        if self.in_flight >= max_in_flight:
+            return (f"server busy: {self.in_flight} requests in flight, the limit is {max_in_flight} "
                     "(profile max_in_flight); retry later")
         return None
 

@@ -22,6 +22,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 
@@ -30,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from a3b_backend import contract, repository  # noqa: E402
 from a3b_backend.bench import perf_analyzer, perf_report, server_process  # noqa: E402
+from a3b_backend.bench.token_source import SENDING_DESCRIPTIONS, SENDING_ENV, Sending  # noqa: E402
 from a3b_backend.profiles import get_profile  # noqa: E402
 
 TOKEN_SOURCE = ROOT / "perf" / "token_source" / "model.py"
@@ -206,8 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=CONCURRENCIES)
     parser.add_argument("--tokens", type=int, default=64, help="tokens per stream")
     parser.add_argument("--interval-ms", type=float, default=12.5, help="the token source's step")
-    parser.add_argument("--no-coalesce", action="store_true",
-                        help="the source sends one response per token even when behind (a3b_llm does not)")
+    parser.add_argument("--sending", choices=get_args(Sending), default="paced",
+                        help="how the source sends a stream's tokens (perf/token_source/model.py); "
+                             "a3b_llm sends paced")
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "serving_path")
     args = parser.parse_args(argv)
     if not (ROOT / ".venv-perf" / "bin" / "perf_analyzer").exists():
@@ -221,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
                "A3B_MODEL_DIR": str(get_profile().resolve_model_dir(ROOT)),
                "A3B_TOKEN_SOURCE_TEXT": str(SOURCE_TEXT), "A3B_TOKEN_SOURCE_EPOCH_NS": str(epoch_ns),
                "A3B_TOKEN_SOURCE_INTERVAL_MS": str(args.interval_ms),
-               "A3B_TOKEN_SOURCE_COALESCE": "0" if args.no_coalesce else "1"}
+               SENDING_ENV: args.sending}
         print("starting tritonserver with the token source as a3b_llm ...", flush=True)
         server = server_process.start(work / "tritonserver.log", env)
         levels = []
@@ -232,12 +235,12 @@ def main(argv: list[str] | None = None) -> None:
                 tqdm.write(markdown(levels[-1:]).splitlines()[-1])
         finally:
             server.stop()
-    sending = "one response per token" if args.no_coalesce else "a stream's tokens due meanwhile in one response"
+    sending = SENDING_DESCRIPTIONS[args.sending]
     title = f"Serving path without the engine ({sending})"
     plot(levels, args.out / "serving_path.png", title)
     (args.out / "serving_path.json").write_text(json.dumps(
         {"machine": perf_report.machine(), "tokens_per_stream": args.tokens, "interval_ms": args.interval_ms,
-         "coalesce": not args.no_coalesce,
+         "sending": args.sending, "pacing_responses_per_s": get_profile().stream_responses_per_s,
          "levels": [asdict(lv) for lv in levels]}, indent=1))
     report = args.out / "serving_path.md"
     report.write_text(

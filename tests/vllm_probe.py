@@ -5,6 +5,8 @@ tests call this with subprocess). Prints one JSON line prefixed with RESULT.
     python tests/vllm_probe.py greedy MODEL_DIR 1,2,3 [max_tokens]
     python tests/vllm_probe.py check MODEL_DIR PROMPTS.json STEPS   # bf16: per prompt,
         prompt log-probs and STEPS greedy tokens with their log-probs, all prompts in one batch
+    python tests/vllm_probe.py paced MODEL_DIR 1,2,3 [max_tokens]   # AsyncLLM streaming (DELTA),
+        as it comes and through a3b_backend.pacing.paced: each output's token ids
 """
 from __future__ import annotations
 
@@ -44,9 +46,45 @@ def check(model_dir: str, prompts_file: str, steps: str) -> dict:
     }
 
 
+def streamed(model_dir: str, prompt_ids: list[int], max_tokens: int) -> dict:
+    import asyncio
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from a3b_backend.pacing import ResponsePacing, paced
+
+    # 20 responses/s for one stream: a 50 ms gap, several of this model's steps
+    pacing = ResponsePacing(responses_per_s=20.0)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+
+    async def run() -> dict:
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
+            model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
+            max_num_batched_tokens=256, max_num_seqs=8, load_format="safetensors",
+            kv_cache_memory_bytes=256 << 20))
+        try:
+            result = {}
+            for name, wrap in (("unpaced", lambda outs: outs), ("paced", lambda outs: paced(outs, pacing, lambda: 1))):
+                outputs = llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, name)
+                result[name] = [list(out.outputs[0].token_ids) async for out in wrap(outputs)]
+            return result
+        finally:
+            llm.shutdown()
+
+    return asyncio.run(run())
+
+
 def main(mode: str, model_dir: str, ids: str, max_tokens: str = "16") -> None:
     if mode == "check":
         print("RESULT " + json.dumps(check(model_dir, ids, max_tokens)), flush=True)
+        return
+    if mode == "paced":
+        token_ids = [int(i) for i in ids.split(",")]
+        print("RESULT " + json.dumps(streamed(model_dir, token_ids, int(max_tokens))), flush=True)
         return
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt

@@ -7,10 +7,13 @@ stream: a step every $A3B_TOKEN_SOURCE_INTERVAL_MS (12.5 ms: 80 tokens/s per
 stream), token ids of the text file $A3B_TOKEN_SOURCE_TEXT, each stream a
 passage of its own, sent with the context window a3b_llm sends. Steps keep
 an absolute schedule: when sending falls behind, the steps due meanwhile keep
-their scheduled times, so a backlog shows as lateness. As in a3b_llm, where
-vLLM merges a stream's outputs while our loop is busy sending (its
-RequestOutputCollector), a stream's tokens due meanwhile go out in one
-response; $A3B_TOKEN_SOURCE_COALESCE=0 sends one response per token instead.
+their scheduled times, so a backlog shows as lateness.
+$A3B_TOKEN_SOURCE_SENDING says how a stream's tokens go out:
+- paced (as a3b_llm sends): a stream waits the profile's pacing gap between
+  its responses (a3b_backend/pacing.py), and its tokens due meanwhile go out
+  in one response, as vLLM's RequestOutputCollector merges them for a3b_llm;
+- coalesced: no gap; only the tokens due while sending fell behind are merged;
+- per-token: one response per token even when behind.
 Each response's `cumulative_logprob` carries its first token's scheduled time
 in seconds after $A3B_TOKEN_SOURCE_EPOCH_NS (wall clock, as perf_analyzer
 stamps responses; client and server share the machine's clock)."""
@@ -26,12 +29,15 @@ import time  # noqa: E402
 import uuid  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import get_args  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from a3b_backend import contract  # noqa: E402
+from a3b_backend.bench.token_source import SENDING_ENV, Sending  # noqa: E402
 from a3b_backend.detokenize import DecodeRule  # noqa: E402
 from a3b_backend.generation import Step, request_arrays, step_arrays  # noqa: E402
+from a3b_backend.profiles import get_profile  # noqa: E402
 from a3b_backend.triton_io import string_value  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -50,6 +56,7 @@ class Stream:
     per_request: dict
     sent: int = 0
     next_due_ns: int | None = None  # its next token's step; set by the first step after it joined
+    last_sent_s: float | None = None  # monotonic time of its last response
 
 
 class TritonPythonModel:
@@ -57,7 +64,10 @@ class TritonPythonModel:
         tokenizer = triton_io.load_tokenizer(args)
         self.text_ids = tokenizer(Path(os.environ["A3B_TOKEN_SOURCE_TEXT"]).read_text())["input_ids"]
         self.interval_ns = int(float(os.environ.get("A3B_TOKEN_SOURCE_INTERVAL_MS", "12.5")) * 1e6)
-        self.coalesce = os.environ.get("A3B_TOKEN_SOURCE_COALESCE", "1") == "1"
+        self.sending = os.environ.get(SENDING_ENV, "paced")
+        if self.sending not in get_args(Sending):
+            raise ValueError(f"{SENDING_ENV}={self.sending!r}; allowed: {', '.join(get_args(Sending))}")
+        self.pacing = get_profile().pacing
         self.epoch_ns = int(os.environ.get("A3B_TOKEN_SOURCE_EPOCH_NS", time.time_ns()))
         # steps are scheduled on the monotonic clock and reported on the wall clock
         self.wall_minus_monotonic_ns = time.time_ns() - time.monotonic_ns()
@@ -100,7 +110,7 @@ class TritonPythonModel:
             delay = (due - time.monotonic_ns()) / 1e9
             if delay > 0:
                 await asyncio.sleep(delay)
-            if self.coalesce:  # every step due by now
+            if self.sending != "per-token":  # every step due by now
                 due += (time.monotonic_ns() - due) // self.interval_ns * self.interval_ns
             self.streams = [s for s in self.streams if self._emit(s, due)]
             due += self.interval_ns
@@ -113,6 +123,10 @@ class TritonPythonModel:
             return False
         if stream.next_due_ns is None:
             stream.next_due_ns = last_due_ns
+        now_s = time.monotonic()
+        if (self.sending == "paced" and stream.last_sent_s is not None
+                and self.pacing.wait_s(len(self.streams), stream.last_sent_s, now_s) > 0):
+            return True
         k = stream.sent
         count = min((last_due_ns - stream.next_due_ns) // self.interval_ns + 1, len(stream.token_ids) - k)
         final = k + count == len(stream.token_ids)
@@ -125,5 +139,6 @@ class TritonPythonModel:
         stream.sender.send(triton_io.response(pb_utils, step_arrays(step, stream.per_request)),
                            flags=FINAL if final else 0)
         stream.sent += count
+        stream.last_sent_s = now_s
         stream.next_due_ns += count * self.interval_ns
         return not final

@@ -13,7 +13,7 @@ from pathlib import Path  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 
-from a3b_backend import contract, drain, lora  # noqa: E402
+from a3b_backend import contract, drain, lora, pacing  # noqa: E402
 from a3b_backend.engine import EngineHost  # noqa: E402
 from a3b_backend.generation import StepTracker, parse_llm_request, request_arrays, step_arrays  # noqa: E402
 from a3b_backend.metrics import TritonMetrics  # noqa: E402
@@ -29,6 +29,7 @@ class TritonPythonModel:
         profile = get_profile()
         root = triton_io.project_root(args)
         self.max_in_flight = profile.max_in_flight
+        self.pacing = profile.pacing
         self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
         listed = lora.read_config(Path(args["model_repository"]) / args["model_version"], root)
         self.lora_work_dir = tempfile.TemporaryDirectory(prefix="a3b-lora-")
@@ -79,8 +80,9 @@ class TritonPythonModel:
         per_request = request_arrays(postprocess_config, request_id)
         sent_final = False
         try:
-            async for output in self.host.generate(request_id, llm_request.prompt_ids, llm_request.sampling_params(),
-                                                   lora_request):
+            outputs = self.host.generate(request_id, llm_request.prompt_ids, llm_request.sampling_params(),
+                                         lora_request)
+            async for output in pacing.paced(outputs, self.pacing, lambda: self.host.in_flight):
                 if self.cancel_polls.due(request_id, time.monotonic()) and sender.is_cancelled():
                     await self.host.abort(request_id)
                     break
