@@ -45,3 +45,12 @@ def test_mismatched_metadata_is_refused_with_shapes():
     q = quantize(fresh(32, 256, scale=0.05), config)
     with pytest.raises(RuntimeError, match="metadata is 32x2 blocks, expected 32x4"):
         cpu.linear(fresh(1, 256), q, (1, 64))
+
+
+def test_compiled_linear_keeps_the_custom_op_and_picks_the_path_per_call():
+    config = A3BConfig(1, 128, iterations=2)
+    q = quantize(fresh(48, 256, scale=0.05), config)
+    compiled = torch.compile(lambda x: cpu.linear(x, q, (1, 128)), fullgraph=True, dynamic=True)
+    for rows in (2, cpu.FUSED_MAX_ROWS + 3):  # one graph, both paths
+        x = fresh(rows, 256)
+        torch.testing.assert_close(compiled(x), cpu.linear(x, q, (1, 128)), rtol=1e-5, atol=1e-5)

@@ -10,9 +10,11 @@ The C++ kernel is compiled for up to FUSED_MAX_ROWS rows (kMaxRows);
 `make bench-cpu-linear` times it, in chunks of that many rows past it, against
 dequantize + GEMM by row count (perf/results/cpu_linear.md).
 
-`linear` is the torch custom op `a3b::cpu_linear`, so torch.compile (vLLM's
-compiled mode) keeps it whole in its graph and the row count picks the path at
-run time, not once at trace time.
+Under torch.compile (vLLM's compiled mode) `linear` is the torch custom op
+`a3b::cpu_linear`, so the graph keeps it whole and the row count picks the
+path at run time, not once at trace time; in eager mode it calls the kernel
+directly, since the custom op's dispatch costs several times a small layer's
+decode call.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import torch
 from a3b_backend.quant.format import A3BWeight
 
 SOURCE = Path(__file__).with_name("a3b_cpu.cpp")
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 Strategy = Literal["fused", "dequant"]
 STRATEGIES: tuple[Strategy, ...] = typing.get_args(Strategy)
 FUSED_MAX_ROWS = 8
@@ -77,19 +79,22 @@ def path(rows: int, strategy: Strategy) -> Strategy:
 def linear(x: torch.Tensor, weight: A3BWeight, block: tuple[int, int], strategy: Strategy = "fused"
            ) -> torch.Tensor:
     """float32 y[M, out] = x[M, in] @ W^T (x float32 or bf16)."""
-    return _linear_op(x, *weight.kernel_tensors(), *block, strategy)
+    run = _linear_op if torch.compiler.is_compiling() else _linear
+    return run(x, *weight.kernel_tensors(), *block, strategy)
 
 
-@torch.library.custom_op("a3b::cpu_linear", mutates_args=())
-def _linear_op(x: torch.Tensor, packed: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, delta: torch.Tensor,
-               lo_scale: torch.Tensor, step_scale: torch.Tensor, block_rows: int, block_cols: int,
-               strategy: str) -> torch.Tensor:
+def _linear(x: torch.Tensor, packed: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, delta: torch.Tensor,
+            lo_scale: torch.Tensor, step_scale: torch.Tensor, block_rows: int, block_cols: int,
+            strategy: str) -> torch.Tensor:
     kernel_tensors = (packed, lo, step, delta, lo_scale, step_scale)
     if path(x.shape[0], strategy) == "fused":
         return ops().a3b_linear(x, *kernel_tensors, block_rows, block_cols)
     # x's columns are the weight's in_features
     weight = ops().a3b_dequantize(*kernel_tensors, x.shape[1], block_rows, block_cols)
     return torch.nn.functional.linear(x.float(), weight)
+
+
+_linear_op = torch.library.custom_op("a3b::cpu_linear", _linear, mutates_args=())
 
 
 @_linear_op.register_fake
