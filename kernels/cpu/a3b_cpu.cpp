@@ -172,51 +172,81 @@ void linear_rows(const Meta& m, const float* xp, float* yp, int64_t begin, int64
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define A3B_CHUNKED 1
 constexpr int64_t kChunk = 128;  // columns per 64 code bytes
+// How far ahead of the chunk being read the codes are prefetched: in a decode
+// step every layer's weights come from memory, not from cache as in a call
+// repeated alone (perf/cpu_linear.py), and the step waits on them.
+constexpr int64_t kPrefetchBytes = 4096;
 
 int64_t chunked_width(int64_t k) { return (k + kChunk - 1) / kChunk * kChunk; }
 
-// x[M, K] in the order the chunk loop reads it: within each 128 columns,
-// position 16k + j holds column 8j + k; zeros past K.
-std::vector<float> chunk_order(const float* x, int64_t rows_of_x, int64_t k) {
+// x[M, K] (float or bf16) as float in the order the chunk loop reads it:
+// within each 128 columns, position 16k + j holds column 8j + k; zeros past K.
+template <typename T>
+std::vector<float> chunk_order(const T* x, int64_t rows_of_x, int64_t k) {
   const int64_t width = chunked_width(k);
   std::vector<float> out(rows_of_x * width, 0.0f);
   for (int64_t r = 0; r < rows_of_x; ++r)
     for (int64_t c = 0; c < k; ++c) {
       const int64_t c0 = c / kChunk * kChunk, j = (c - c0) / 8, code = (c - c0) % 8;
-      out[r * width + c0 + 16 * code + j] = x[r * k + c];
+      out[r * width + c0 + 16 * code + j] = float(x[r * k + c]);
     }
   return out;
 }
 
-// block_table's values in one register, with the block row's scales already decoded.
-inline __m512 table_vector(const Meta& m, int64_t idx, float lo_scale, float step_scale) {
-  const float lo = float(m.lo[idx]) * lo_scale;
-  const float step = float(m.step[idx]) * step_scale;
-  const float d = step * float(m.delta[idx]) / 255.0f;
-  const __m512 half = _mm512_setr_ps(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512 sign = _mm512_setr_ps(-1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1);
-  return _mm512_fmadd_ps(sign, _mm512_set1_ps(d), _mm512_fmadd_ps(half, _mm512_set1_ps(step), _mm512_set1_ps(lo)));
-}
+// lo, step and d of every block of block row rb, decoded 16 blocks at a time
+// (block_table's arithmetic), so that a block's table is then two FMAs on
+// broadcast loads rather than scalar conversions and shuffles per block.
+struct BlockParams {
+  std::vector<float> lo, step, d;
+  explicit BlockParams(int64_t blocks) : lo(blocks), step(blocks), d(blocks) {}
+
+  void decode(const Meta& m, int64_t rb) {
+    const __m512 lo_scale = _mm512_set1_ps(float(m.lo_scale[rb]));
+    const __m512 step_scale = _mm512_set1_ps(float(m.step_scale[rb]));
+    for (int64_t b = 0; b < m.nbc; b += 16) {
+      const __mmask16 mask = m.nbc - b >= 16 ? 0xFFFF : __mmask16((1u << (m.nbc - b)) - 1);
+      const int64_t idx = rb * m.nbc + b;
+      const __m512i lo_i = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, m.lo + idx));
+      const __m512i step_i = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, m.step + idx));
+      const __m512i delta_i = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, m.delta + idx));
+      const __m512 lo_v = _mm512_mul_ps(_mm512_cvtepi32_ps(lo_i), lo_scale);
+      const __m512 step_v = _mm512_mul_ps(_mm512_cvtepi32_ps(step_i), step_scale);
+      const __m512 delta_v = _mm512_cvtepi32_ps(delta_i);
+      _mm512_mask_storeu_ps(lo.data() + b, mask, lo_v);
+      _mm512_mask_storeu_ps(step.data() + b, mask, step_v);
+      _mm512_mask_storeu_ps(d.data() + b, mask, _mm512_div_ps(_mm512_mul_ps(step_v, delta_v), _mm512_set1_ps(255.0f)));
+    }
+  }
+
+  // block b's 16 table values in one register
+  __m512 table(int64_t b) const {
+    const __m512 half = _mm512_setr_ps(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512 sign = _mm512_setr_ps(-1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1);
+    const __m512 base = _mm512_fmadd_ps(half, _mm512_set1_ps(step[b]), _mm512_set1_ps(lo[b]));
+    return _mm512_fmadd_ps(sign, _mm512_set1_ps(d[b]), base);
+  }
+};
 
 // linear_rows for blocks a multiple of 128 wide; `xc` is chunk_order(x).
 template <int M>
 void chunked_rows(const Meta& m, const float* xc, float* yp, int64_t begin, int64_t end) {
   constexpr int kChains = M == 1 ? 4 : (M == 2 ? 2 : 1);
   const int64_t width = chunked_width(m.k);
+  BlockParams params(m.nbc);
   for (int64_t row = begin; row < end; ++row) {
-    const int64_t rb = row / m.rows;
-    const float lo_scale = float(m.lo_scale[rb]), step_scale = float(m.step_scale[rb]);
+    if (row == begin || row % m.rows == 0) params.decode(m, row / m.rows);
     __m512 acc[M][kChains];
     for (int r = 0; r < M; ++r)
       for (int g = 0; g < kChains; ++g) acc[r][g] = _mm512_setzero_ps();
     const uint8_t* codes = m.packed + row * m.kp;
     for (int64_t b = 0; b < m.nbc; ++b) {
-      const __m512 table = table_vector(m, rb * m.nbc + b, lo_scale, step_scale);
+      const __m512 table = params.table(b);
       for (int64_t c0 = b * m.cols; c0 < std::min((b + 1) * m.cols, m.k); c0 += kChunk) {
         const int64_t bytes = std::min<int64_t>(kChunk / 2, m.kp - c0 / 2);
+        _mm_prefetch(reinterpret_cast<const char*>(codes + c0 / 2 + kPrefetchBytes), _MM_HINT_T0);
         const __m512i packed = bytes == kChunk / 2 ? _mm512_loadu_si512(codes + c0 / 2)
                                                    : _mm512_maskz_loadu_epi8((1ULL << bytes) - 1, codes + c0 / 2);
 #pragma GCC unroll 8
@@ -253,23 +283,28 @@ void with_rows(int64_t rows_of_x, Body body) {
 torch::Tensor a3b_linear(const torch::Tensor& x_in, const torch::Tensor& packed, const torch::Tensor& lo,
                          const torch::Tensor& step, const torch::Tensor& delta, const torch::Tensor& lo_scale,
                          const torch::Tensor& step_scale, int64_t rows, int64_t cols) {
-  const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows, "a3b_linear: x must be 2-D with 1..",
-              kMaxRows, " rows");
-  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(0) >= 1 && x_in.size(0) <= kMaxRows,
+              "a3b_linear: x must be 2-D with 1..", kMaxRows, " rows");
+  TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 || x_in.scalar_type() == torch::kBFloat16,
+              "a3b_linear: x must be float32 or bfloat16");
+  const int64_t M = x_in.size(0), K = x_in.size(1);
   const Meta m = meta_of(packed, lo, step, delta, lo_scale, step_scale, K, rows, cols);
-  const float* xp = x.data_ptr<float>();
-  torch::Tensor y = torch::empty({M, m.n}, x.options());
+  torch::Tensor y = torch::empty({M, m.n}, x_in.options().dtype(torch::kFloat32));
   float* yp = y.data_ptr<float>();
 #ifdef A3B_CHUNKED
   if (cols % kChunk == 0) {
-    const std::vector<float> xc = chunk_order(xp, M, K);
+    const torch::Tensor x = x_in.contiguous();
+    const std::vector<float> xc = x.scalar_type() == torch::kBFloat16
+                                      ? chunk_order(x.data_ptr<at::BFloat16>(), M, K)
+                                      : chunk_order(x.data_ptr<float>(), M, K);
     at::parallel_for(0, m.n, 16, [&](int64_t begin, int64_t end) {
       with_rows(M, [&](auto x_rows) { chunked_rows<decltype(x_rows)::value>(m, xc.data(), yp, begin, end); });
     });
     return y;
   }
 #endif
+  const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
+  const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m.n, 16, [&](int64_t begin, int64_t end) {
     with_rows(M, [&](auto x_rows) { linear_rows<decltype(x_rows)::value>(m, xp, yp, begin, end); });
   });
