@@ -4,8 +4,7 @@ $A3B_KERNEL_CACHE, default ~/.cache/a3b-triton).
 
 Two strategies keep the weight packed in memory (docs/a3b_format.md):
   fused    codes read in place by `a3b_linear` for up to FUSED_MAX_ROWS rows of
-           x (decode), one dequantize + GEMM above that (prefill; float32, or
-           bf16 for bf16 x);
+           x (decode), one dequantize + float32 GEMM above that (prefill);
   dequant  dequantize the whole weight on every call, then the GEMM.
 The C++ kernel is compiled for up to FUSED_MAX_ROWS rows (kMaxRows);
 `make bench-cpu-linear` times it, in chunks of that many rows past it, against
@@ -67,9 +66,9 @@ def ops():
     return module
 
 
-def dequantize(weight: A3BWeight, block: tuple[int, int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """W[out, in] from the packed tensors, float32 or bfloat16."""
-    return ops().a3b_dequantize(*weight.kernel_tensors(), weight.in_features, *block, dtype == torch.bfloat16)
+def dequantize(weight: A3BWeight, block: tuple[int, int]) -> torch.Tensor:
+    """float32 W[out, in] from the packed tensors."""
+    return ops().a3b_dequantize(*weight.kernel_tensors(), weight.in_features, *block)
 
 
 def path(rows: int, strategy: Strategy) -> Strategy:
@@ -90,11 +89,9 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, lo: torch.Tensor, step: torch
     kernel_tensors = (packed, lo, step, delta, lo_scale, step_scale)
     if path(x.shape[0], strategy) == "fused":
         return ops().a3b_linear(x, *kernel_tensors, block_rows, block_cols)
-    # x's columns are the weight's in_features. bf16 x multiplies in bf16 (the
-    # weight's values rounded to bf16, as vLLM's own W4A16 kernels do), float32 x in float32.
-    bf16 = x.dtype == torch.bfloat16
-    weight = ops().a3b_dequantize(*kernel_tensors, x.shape[1], block_rows, block_cols, bf16)
-    return torch.nn.functional.linear(x if bf16 else x.float(), weight).float()
+    # x's columns are the weight's in_features
+    weight = ops().a3b_dequantize(*kernel_tensors, x.shape[1], block_rows, block_cols)
+    return torch.nn.functional.linear(x.float(), weight)
 
 
 _linear_op = torch.library.custom_op("a3b::cpu_linear", _linear, mutates_args=())

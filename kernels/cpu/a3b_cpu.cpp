@@ -311,65 +311,36 @@ torch::Tensor a3b_linear(const torch::Tensor& x_in, const torch::Tensor& packed,
   return y;
 }
 
-namespace {
-
-#ifdef A3B_SIMD
-inline void store_values(float* p, VecF values) { vstore(p, values); }
-#endif
-#if defined(__AVX512BF16__)
-#define A3B_BF16_STORE 1
-inline void store_values(at::BFloat16* p, __m512 values) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(values));
-}
-#endif
-
-// Rows [begin, end) of W as Out (float, or bf16 rounded to nearest even as torch rounds).
-template <typename Out>
-void dequantize_rows(const Meta& m, Out* wp, int64_t begin, int64_t end) {
-  float table[16];
-  for (int64_t row = begin; row < end; ++row) {
-    for (int64_t b = 0; b < m.nbc; ++b) {
-      const int64_t c0 = b * m.cols;
-      Out* out = wp + row * m.k + c0;
-      block_table(m, row, b, table);
-      for_each_weight(
-          m.packed + row * m.kp + c0 / 2, std::min(m.cols, m.k - c0), table,
-          [&](int64_t i, auto values) {
-#ifdef A3B_SIMD
-            store_values(out + i, values);
-#endif
-          },
-          [&](int64_t i, float value) { out[i] = Out(value); });
-    }
-  }
-}
-
-}  // namespace
-
-// W[N, K], float32 or bf16: the whole weight, for large M (prefill), where one
-// dequantize plus a GEMM beats re-reading the codes per row of x; bf16 for a
-// bf16 GEMM (x in bf16), which oneDNN runs far faster than a float32 one
-// where the CPU has bf16 instructions.
+// float32 W[N, K]: the whole weight, for large M (prefill), where one
+// dequantize plus a GEMM beats re-reading the codes per row of x.
 torch::Tensor a3b_dequantize(const torch::Tensor& packed, const torch::Tensor& lo, const torch::Tensor& step,
                              const torch::Tensor& delta, const torch::Tensor& lo_scale,
-                             const torch::Tensor& step_scale, int64_t in_features, int64_t rows, int64_t cols,
-                             bool bf16) {
+                             const torch::Tensor& step_scale, int64_t in_features, int64_t rows, int64_t cols) {
   const Meta m = meta_of(packed, lo, step, delta, lo_scale, step_scale, in_features, rows, cols);
-#ifdef A3B_BF16_STORE
-  if (bf16) {
-    torch::Tensor w = torch::empty({m.n, m.k}, torch::TensorOptions().dtype(torch::kBFloat16));
-    at::BFloat16* wp = w.data_ptr<at::BFloat16>();
-    at::parallel_for(0, m.n, 16, [&](int64_t begin, int64_t end) { dequantize_rows(m, wp, begin, end); });
-    return w;
-  }
-#endif
   torch::Tensor w = torch::empty({m.n, m.k}, torch::TensorOptions().dtype(torch::kFloat32));
   float* wp = w.data_ptr<float>();
-  at::parallel_for(0, m.n, 16, [&](int64_t begin, int64_t end) { dequantize_rows(m, wp, begin, end); });
-  return bf16 ? w.to(torch::kBFloat16) : w;
+  at::parallel_for(0, m.n, 16, [&](int64_t begin, int64_t end) {
+    float table[16];
+    for (int64_t row = begin; row < end; ++row) {
+      for (int64_t b = 0; b < m.nbc; ++b) {
+        const int64_t c0 = b * cols;
+        float* out = wp + row * m.k + c0;
+        block_table(m, row, b, table);
+        for_each_weight(
+            m.packed + row * m.kp + c0 / 2, std::min(cols, m.k - c0), table,
+            [&](int64_t i, auto values) {
+#ifdef A3B_SIMD
+              vstore(out + i, values);
+#endif
+            },
+            [&](int64_t i, float value) { out[i] = value; });
+      }
+    }
+  });
+  return w;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("a3b_linear", &a3b_linear, "A3B linear, codes read in place (small batches)");
-  module.def("a3b_dequantize", &a3b_dequantize, "A3B weight -> float32, or bf16 when asked");
+  module.def("a3b_dequantize", &a3b_dequantize, "A3B weight -> float32");
 }
