@@ -87,13 +87,13 @@ class EngineHost:
         """Start a request's coroutine on the engine loop; returns at once."""
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         self._in_flight[request_id] = future
-        self._on_in_flight(len(self._in_flight))
+        self._on_in_flight(self.in_flight)
         future.add_done_callback(lambda _f: self._finished(request_id))
         return future
 
     def _finished(self, request_id: str) -> None:
         self._in_flight.pop(request_id, None)
-        self._on_in_flight(len(self._in_flight))
+        self._on_in_flight(self.in_flight)
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params,
                        lora_request=None) -> AsyncIterator[Any]:

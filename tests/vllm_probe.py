@@ -14,15 +14,17 @@ import json
 import sys
 
 
+# An explicit KV size: otherwise vLLM's CPU worker reserves 90% of the
+# machine's memory and refuses to start beside another engine (the served
+# tests' server).
+ENGINE_ARGS = dict(skip_tokenizer_init=True, enforce_eager=True, max_model_len=256, max_num_batched_tokens=256,
+                   max_num_seqs=8, load_format="safetensors", kv_cache_memory_bytes=256 << 20)
+
+
 def engine(model_dir: str, dtype: str = "float32"):
     from vllm import LLM
 
-    # An explicit KV size: otherwise vLLM's CPU worker reserves 90% of the
-    # machine's memory and refuses to start beside another engine (the served
-    # tests' server).
-    return LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, max_model_len=256,
-               max_num_batched_tokens=256, max_num_seqs=8, load_format="safetensors",
-               kv_cache_memory_bytes=256 << 20)
+    return LLM(model=model_dir, dtype=dtype, **ENGINE_ARGS)
 
 
 def check(model_dir: str, prompts_file: str, steps: str) -> dict:
@@ -62,10 +64,7 @@ def streamed(model_dir: str, prompt_ids: list[int], max_tokens: int) -> dict:
                             output_kind=RequestOutputKind.DELTA)
 
     async def run() -> dict:
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
-            model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
-            max_num_batched_tokens=256, max_num_seqs=8, load_format="safetensors",
-            kv_cache_memory_bytes=256 << 20))
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, dtype="float32", **ENGINE_ARGS))
         try:
             result = {}
             for name, wrap in (("unpaced", lambda outs: outs), ("paced", lambda outs: paced(outs, pacing, lambda: 1))):
