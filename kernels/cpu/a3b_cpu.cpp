@@ -52,6 +52,30 @@ inline float vsum(VecF a) {
 }
 #endif
 
+#ifdef A3B_SIMD
+// The dot products of M rows of x as vector partial sums. With one row of x,
+// four independent chains break the FMA dependency chain.
+template <int M>
+struct RowSums {
+  static constexpr int kChains = M == 1 ? 4 : (M == 2 ? 2 : 1);
+  VecF acc[M][kChains];
+
+  RowSums() {
+    for (int r = 0; r < M; ++r)
+      for (int g = 0; g < kChains; ++g) acc[r][g] = vzero();
+  }
+  // row r += x * values, for the group-th vector of weights of the row
+  void fma(int r, int64_t group, VecF x, VecF values) {
+    acc[r][group % kChains] = vfma(x, values, acc[r][group % kChains]);
+  }
+  float total(int r) const {
+    VecF sum = acc[r][0];
+    for (int g = 1; g < kChains; ++g) sum = vadd(sum, acc[r][g]);
+    return vsum(sum);
+  }
+};
+#endif
+
 struct Meta {
   const uint8_t* packed;
   const int8_t* lo;
@@ -134,16 +158,12 @@ inline void for_each_weight(const uint8_t* codes, int64_t width, const float* ta
 // so the accumulators live in registers.
 template <int M>
 void linear_rows(const Meta& m, const float* xp, float* yp, int64_t begin, int64_t end) {
-  // With one row of x, four accumulators break the FMA dependency chain.
-  constexpr int kChains = M == 1 ? 4 : (M == 2 ? 2 : 1);
   alignas(64) float table[16];
   const int64_t K = m.k, cols = m.cols;
   for (int64_t row = begin; row < end; ++row) {
     float acc[M] = {0.0f};
 #ifdef A3B_SIMD
-    VecF accv[M][kChains];
-    for (int r = 0; r < M; ++r)
-      for (int g = 0; g < kChains; ++g) accv[r][g] = vzero();
+    RowSums<M> sums;
 #endif
     const uint8_t* codes = m.packed + row * m.kp;
     for (int64_t b = 0; b < m.nbc; ++b) {
@@ -153,8 +173,7 @@ void linear_rows(const Meta& m, const float* xp, float* yp, int64_t begin, int64
           codes + c0 / 2, std::min(cols, K - c0), table,
           [&](int64_t i, auto values) {
 #ifdef A3B_SIMD
-            const int g = (i / kLanes) % kChains;
-            for (int r = 0; r < M; ++r) accv[r][g] = vfma(vload(xp + r * K + c0 + i), values, accv[r][g]);
+            for (int r = 0; r < M; ++r) sums.fma(r, i / kLanes, vload(xp + r * K + c0 + i), values);
 #endif
           },
           [&](int64_t i, float value) {
@@ -163,9 +182,7 @@ void linear_rows(const Meta& m, const float* xp, float* yp, int64_t begin, int64
     }
     for (int r = 0; r < M; ++r) {
 #ifdef A3B_SIMD
-      VecF sum = accv[r][0];
-      for (int g = 1; g < kChains; ++g) sum = vadd(sum, accv[r][g]);
-      acc[r] += vsum(sum);
+      acc[r] += sums.total(r);
 #endif
       yp[r * m.n + row] = acc[r];
     }
@@ -233,14 +250,11 @@ struct BlockParams {
 // linear_rows for blocks a multiple of 128 wide; `xc` is chunk_order(x).
 template <int M>
 void chunked_rows(const Meta& m, const float* xc, float* yp, int64_t begin, int64_t end) {
-  constexpr int kChains = M == 1 ? 4 : (M == 2 ? 2 : 1);
   const int64_t width = chunked_width(m.k);
   BlockParams params(m.nbc);
   for (int64_t row = begin; row < end; ++row) {
     if (row == begin || row % m.rows == 0) params.decode(m, row / m.rows);
-    __m512 acc[M][kChains];
-    for (int r = 0; r < M; ++r)
-      for (int g = 0; g < kChains; ++g) acc[r][g] = _mm512_setzero_ps();
+    RowSums<M> sums;
     const uint8_t* codes = m.packed + row * m.kp;
     for (int64_t b = 0; b < m.nbc; ++b) {
       const __m512 table = params.table(b);
@@ -252,17 +266,11 @@ void chunked_rows(const Meta& m, const float* xc, float* yp, int64_t begin, int6
 #pragma GCC unroll 8
         for (int code = 0; code < 8; ++code) {
           const __m512 values = _mm512_permutexvar_ps(_mm512_srli_epi32(packed, 4 * code), table);
-          for (int r = 0; r < M; ++r)
-            acc[r][code % kChains] =
-                _mm512_fmadd_ps(_mm512_loadu_ps(xc + r * width + c0 + 16 * code), values, acc[r][code % kChains]);
+          for (int r = 0; r < M; ++r) sums.fma(r, code, vload(xc + r * width + c0 + 16 * code), values);
         }
       }
     }
-    for (int r = 0; r < M; ++r) {
-      __m512 sum = acc[r][0];
-      for (int g = 1; g < kChains; ++g) sum = _mm512_add_ps(sum, acc[r][g]);
-      yp[r * m.n + row] = _mm512_reduce_add_ps(sum);
-    }
+    for (int r = 0; r < M; ++r) yp[r * m.n + row] = sums.total(r);
   }
 }
 #endif
