@@ -13,8 +13,7 @@ dequantize + GEMM by row count (perf/results/cpu_linear.md).
 Under torch.compile (vLLM's compiled mode) `linear` is the torch custom op
 `a3b::cpu_linear`, so the graph keeps it whole and the row count picks the
 path at run time, not once at trace time; in eager mode it calls the kernel
-directly, since the custom op's dispatch costs several times a small layer's
-decode call.
+directly, without the dispatcher's round trip on every decode call.
 """
 from __future__ import annotations
 
