@@ -236,13 +236,13 @@ class A3BLinearMethod(LinearMethodBase):
         if layer.a3b is None:  # expanded at load
             return torch.nn.functional.linear(x, layer.weight, bias)
         x2 = x.reshape(-1, x.shape[-1])
-        if x.device.type == "cpu":
+        if x.device.type == "cpu":  # in x's dtype from the kernel
             y = cpu_linear("linear", x2, layer.a3b, self.config.block, layer.a3b_strategy)
         elif self.config.block[0] == 1:
-            y = gpu_linear(x2, layer.a3b, self.config.format)
+            y = gpu_linear(x2, layer.a3b, self.config.format).to(x.dtype)
         else:
-            y = x2.float() @ dequantize(layer.a3b, self.config.format).T
-        y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
+            y = (x2.float() @ dequantize(layer.a3b, self.config.format).T).to(x.dtype)
+        y = y.reshape(*x.shape[:-1], -1)
         return y if bias is None else y + bias
 
 

@@ -32,12 +32,16 @@ def test_dequantize_matches_reference_exactly_enough():
     torch.testing.assert_close(w, dequantize(q, config), rtol=1e-6, atol=1e-7)
 
 
-def test_bf16_input_is_accepted():
-    config = A3BConfig(1, 128, iterations=2)
-    q = quantize(fresh(32, 256, scale=0.05), config)
-    x = fresh(2, 256).to(torch.bfloat16)
-    y = cpu.linear(x, q, (1, 128))
-    torch.testing.assert_close(y, x.float() @ dequantize(q, config).T, rtol=1e-4, atol=1e-3)
+@pytest.mark.parametrize("config", CONFIGS[:2], ids=lambda c: f"{c.block_rows}x{c.block_cols}")
+@pytest.mark.parametrize("strategy", cpu.STRATEGIES)
+@pytest.mark.parametrize("rows", [2, cpu.FUSED_MAX_ROWS + 1])
+def test_bf16_x_gives_the_float32_result_rounded_to_bf16(config, strategy, rows):
+    """The layer's output dtype comes straight from the kernel, rounded as torch rounds."""
+    q = quantize(fresh(48, 256, scale=0.05), config)
+    x = fresh(rows, 256).to(torch.bfloat16)
+    y = cpu.linear(x, q, config.block, strategy)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, cpu.linear(x.float(), q, config.block, strategy).to(torch.bfloat16))
 
 
 def test_mismatched_metadata_is_refused_with_shapes():

@@ -77,7 +77,7 @@ def path(rows: int, strategy: Strategy) -> Strategy:
 
 def linear(x: torch.Tensor, weight: A3BWeight, block: tuple[int, int], strategy: Strategy = "fused"
            ) -> torch.Tensor:
-    """float32 y[M, out] = x[M, in] @ W^T (x float32 or bf16)."""
+    """y[M, out] = x[M, in] @ W^T in x's dtype (float32 or bf16), float32 accumulation."""
     run = _linear_op if torch.compiler.is_compiling() else _linear
     return run(x, *weight.kernel_tensors(), *block, strategy)
 
@@ -90,7 +90,7 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, lo: torch.Tensor, step: torch
         return ops().a3b_linear(x, *kernel_tensors, block_rows, block_cols)
     # x's columns are the weight's in_features
     weight = ops().a3b_dequantize(*kernel_tensors, x.shape[1], block_rows, block_cols)
-    return torch.nn.functional.linear(x.float(), weight)
+    return torch.nn.functional.linear(x.float(), weight).to(x.dtype)
 
 
 _linear_op = torch.library.custom_op("a3b::cpu_linear", _linear, mutates_args=())
@@ -98,4 +98,4 @@ _linear_op = torch.library.custom_op("a3b::cpu_linear", _linear, mutates_args=()
 
 @_linear_op.register_fake
 def _linear_shape(x: torch.Tensor, packed: torch.Tensor, *_rest) -> torch.Tensor:
-    return x.new_empty((x.shape[0], packed.shape[0]), dtype=torch.float32)
+    return x.new_empty((x.shape[0], packed.shape[0]))

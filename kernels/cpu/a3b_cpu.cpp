@@ -155,9 +155,10 @@ inline void for_each_weight(const uint8_t* codes, int64_t width, const float* ta
 }
 
 // Rows [begin, end) of y = x @ W^T for M rows of x; M is a template argument
-// so the accumulators live in registers.
-template <int M>
-void linear_rows(const Meta& m, const float* xp, float* yp, int64_t begin, int64_t end) {
+// so the accumulators live in registers. Out: float, or at::BFloat16 (rounded
+// to nearest even from the float sum, as torch's conversion rounds).
+template <int M, typename Out>
+void linear_rows(const Meta& m, const float* xp, Out* yp, int64_t begin, int64_t end) {
   alignas(64) float table[16];
   const int64_t K = m.k, cols = m.cols;
   for (int64_t row = begin; row < end; ++row) {
@@ -184,7 +185,7 @@ void linear_rows(const Meta& m, const float* xp, float* yp, int64_t begin, int64
 #ifdef A3B_SIMD
       acc[r] += sums.total(r);
 #endif
-      yp[r * m.n + row] = acc[r];
+      yp[r * m.n + row] = Out(acc[r]);
     }
   }
 }
@@ -248,8 +249,8 @@ struct BlockParams {
 };
 
 // linear_rows for blocks a multiple of 128 wide; `xc` is chunk_order(x).
-template <int M>
-void chunked_rows(const Meta& m, const float* xc, float* yp, int64_t begin, int64_t end) {
+template <int M, typename Out>
+void chunked_rows(const Meta& m, const float* xc, Out* yp, int64_t begin, int64_t end) {
   const int64_t width = chunked_width(m.k);
   BlockParams params(m.nbc);
   for (int64_t row = begin; row < end; ++row) {
@@ -270,7 +271,7 @@ void chunked_rows(const Meta& m, const float* xc, float* yp, int64_t begin, int6
         }
       }
     }
-    for (int r = 0; r < M; ++r) yp[r * m.n + row] = sums.total(r);
+    for (int r = 0; r < M; ++r) yp[r * m.n + row] = Out(sums.total(r));
   }
 }
 #endif
@@ -285,9 +286,16 @@ void with_rows(int64_t rows_of_x, Body body) {
   }
 }
 
+// body(pointer to y's elements as float or at::BFloat16)
+template <typename Body>
+void with_output(torch::Tensor& y, Body body) {
+  if (y.scalar_type() == torch::kBFloat16) return body(y.data_ptr<at::BFloat16>());
+  body(y.data_ptr<float>());
+}
+
 }  // namespace
 
-// y[M, N] = x[M, K] @ W^T, fp32 accumulation, codes read in place. For small M (decode).
+// y[M, N] = x[M, K] @ W^T in x's dtype, fp32 accumulation, codes read in place. For small M (decode).
 torch::Tensor a3b_linear(const torch::Tensor& x_in, const torch::Tensor& packed, const torch::Tensor& lo,
                          const torch::Tensor& step, const torch::Tensor& delta, const torch::Tensor& lo_scale,
                          const torch::Tensor& step_scale, int64_t rows, int64_t cols) {
@@ -297,24 +305,27 @@ torch::Tensor a3b_linear(const torch::Tensor& x_in, const torch::Tensor& packed,
               "a3b_linear: x must be float32 or bfloat16");
   const int64_t M = x_in.size(0), K = x_in.size(1);
   const Meta m = meta_of(packed, lo, step, delta, lo_scale, step_scale, K, rows, cols);
-  torch::Tensor y = torch::empty({M, m.n}, x_in.options().dtype(torch::kFloat32));
-  float* yp = y.data_ptr<float>();
+  torch::Tensor y = torch::empty({M, m.n}, x_in.options());
 #ifdef A3B_CHUNKED
   if (cols % kChunk == 0) {
     const torch::Tensor x = x_in.contiguous();
     const std::vector<float> xc = x.scalar_type() == torch::kBFloat16
                                       ? chunk_order(x.data_ptr<at::BFloat16>(), M, K)
                                       : chunk_order(x.data_ptr<float>(), M, K);
-    at::parallel_for(0, m.n, 16, [&](int64_t begin, int64_t end) {
-      with_rows(M, [&](auto x_rows) { chunked_rows<decltype(x_rows)::value>(m, xc.data(), yp, begin, end); });
+    with_output(y, [&](auto yp) {
+      at::parallel_for(0, m.n, 16, [&](int64_t begin, int64_t end) {
+        with_rows(M, [&](auto x_rows) { chunked_rows<decltype(x_rows)::value>(m, xc.data(), yp, begin, end); });
+      });
     });
     return y;
   }
 #endif
   const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();
   const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, m.n, 16, [&](int64_t begin, int64_t end) {
-    with_rows(M, [&](auto x_rows) { linear_rows<decltype(x_rows)::value>(m, xp, yp, begin, end); });
+  with_output(y, [&](auto yp) {
+    at::parallel_for(0, m.n, 16, [&](int64_t begin, int64_t end) {
+      with_rows(M, [&](auto x_rows) { linear_rows<decltype(x_rows)::value>(m, xp, yp, begin, end); });
+    });
   });
   return y;
 }
