@@ -124,7 +124,7 @@ quant-tools:
 # A3B vs llm-compressor's GPTQ / AWQ W4A16 served by stock vLLM: perf/results/quant_compare/
 # (the first run also converts the checkpoints into models/quant_compare/; times in the README)
 compare-quant: setup model quant-tools
-	VLLM_CPU_KVCACHE_SPACE=1 $(PY) perf/quant_compare/compare.py
+	$(PY) perf/quant_compare/compare.py
 
 # A3B kernels on a CUDA GPU: checks against the references, then timings (perf/results/gpu/)
 bench-gpu:

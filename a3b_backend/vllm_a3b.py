@@ -401,6 +401,18 @@ def linear_weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     return {"resident": resident, "elements": elements}
 
 
+def linear_kernels(model: torch.nn.Module) -> list[str]:
+    """The kernels the linear layers run (through LLM.apply_model in the engine's worker): ours, or
+    which of vLLM's two CPU kernels its mixed-precision layers picked at load."""
+    kernels = set()
+    for module in model.modules():
+        if getattr(module, "a3b", None) is not None:
+            kernels.add("A3B plugin")
+        elif hasattr(module, "use_w4a8"):
+            kernels.add("int4_scaled_mm_cpu (W4A8)" if module.use_w4a8 else f"cpu_gemm_wna16 ({module.isa_hint})")
+    return sorted(kernels) or ["vLLM's bf16 GEMM"]
+
+
 def register() -> None:
     """vllm.general_plugins entry point."""
     if NAME not in QUANTIZATION_METHODS:

@@ -104,3 +104,17 @@ def test_malformed_checkpoint_fails_at_load_naming_the_tensor(llama, tmp_path, c
     result, log = probe("greedy", bad, "2")
     assert result is None
     assert re.search(message, log), log[-4000:]
+
+
+def test_linear_kernels_names_ours_and_which_of_vllms_cpu_kernels_loaded():
+    from a3b_backend.vllm_a3b import linear_kernels
+
+    def layer(**attributes) -> torch.nn.Module:
+        module = torch.nn.Module()
+        module.__dict__.update(attributes)
+        return module
+
+    model = torch.nn.ModuleList([layer(a3b=object()), layer(use_w4a8=True, isa_hint="amx"),
+                                 layer(use_w4a8=False, isa_hint="amx"), torch.nn.Linear(2, 2)])
+    assert linear_kernels(model) == ["A3B plugin", "cpu_gemm_wna16 (amx)", "int4_scaled_mm_cpu (W4A8)"]
+    assert linear_kernels(torch.nn.Linear(2, 2)) == ["vLLM's bf16 GEMM"]

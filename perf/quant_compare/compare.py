@@ -10,6 +10,12 @@ Variants (checkpoints under models/quant_compare/, built once, with progress):
   A3B uncalibrated
   GPTQ W4A16 g64  llm-compressor GPTQModifier, symmetric (perf/quant_compare/peers.py)
   AWQ W4A16 g64   llm-compressor AWQModifier + QuantizationModifier, asymmetric
+each peer twice, once per kernel stock vLLM has for it on a CPU:
+  W4A16 kernel    cpu_gemm_wna16, bf16 activations (VLLM_CPU_INT4_W4A8=0)
+  W4A8 kernel     int4_scaled_mm_cpu, activations rounded to int8 per row;
+                  vLLM's default where the CPU has AMX (VLLM_CPU_INT4_W4A8=1),
+                  elsewhere the W4A16 kernel runs; the report names the kernel
+                  each row ran, as read from the loaded layers
 Calibration, one budget for every calibrated variant: SEQUENCES x SEQ_LEN
 tokens of the licence texts Debian and Ubuntu ship in /usr/share/common-licenses.
 Evaluation: EVAL_TOKENS tokens of CPython's language reference
@@ -18,8 +24,8 @@ Evaluation: EVAL_TOKENS tokens of CPython's language reference
 All variants run in one process, each in its own vLLM engine with the cpu
 profile's settings except two: bfloat16 instead of the profile's float32
 (vLLM's CPU W4A16 kernel, cpu_gemm_wna16, has no float32 path) and prefix
-caching off. Our plugin serves A3B, vLLM's own CPUWNA16 kernel the peers;
-each checkpoint's config names its method. Per variant: bits/weight from the stored bytes of
+caching off. Our plugin serves A3B, vLLM's own kernels the peers; each
+checkpoint's config names its method. Per variant: bits/weight from the stored bytes of
 the quantized linear layers (codes and all their metadata) over their weight
 count; linear-layer bytes resident in the engine's worker; perplexity from
 vLLM's prompt_logprobs over windows of SEQ_LEN; greedy agreement with bf16 on
@@ -37,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +59,9 @@ OUT = ROOT / "perf" / "results" / "quant_compare"
 LICENCES = Path("/usr/share/common-licenses")
 SEQUENCES, SEQ_LEN, EVAL_TOKENS, GROUP_SIZE = 64, 512, 8192, 64
 AGREEMENT_TOKENS, DECODE_TOKENS = 32, 64
+KV_CACHE_BYTES = 512 * 2**20
 DTYPE = "bfloat16"
+PeerKernel = typing.Literal["W4A16", "W4A8"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,7 @@ class Variant:
     name: str
     directory: Path
     build: list[str] | None  # the command that writes `directory`; None: it exists already
+    engine_env: tuple[tuple[str, str], ...] = ()  # set while its engine starts
 
 
 def calibration_text() -> Path:
@@ -79,16 +89,18 @@ def variants(calibration: Path) -> list[Variant]:
         return Variant(name, out, [sys.executable, "-m", "a3b_backend.quant.convert", str(BF16_DIR), str(out),
                                    *options])
 
-    def llm_compressor(method: str) -> Variant:
+    def llm_compressor(method: str, kernel: PeerKernel) -> Variant:
         out = WORK_DIR / method
-        return Variant(f"{method.upper()} W4A16 g{GROUP_SIZE}", out, [
+        return Variant(f"{method.upper()} W4A16 g{GROUP_SIZE}, {kernel} kernel", out, [
             str(QUANT_PYTHON), str(Path(__file__).with_name("peers.py")), "--model", str(BF16_DIR),
             "--calibration", str(calibration), "--group-size", str(GROUP_SIZE), "--sequences", str(SEQUENCES),
-            "--seq-len", str(SEQ_LEN), "--method", method, "--out", str(out)])
+            "--seq-len", str(SEQ_LEN), "--method", method, "--out", str(out)],
+            (("VLLM_CPU_INT4_W4A8", "1" if kernel == "W4A8" else "0"),))
 
     return [Variant("bf16", BF16_DIR, None), a3b("A3B", "a3b", *calibrated),
             a3b("A3B + GPTQ rounding", "a3b-gptq", *calibrated, "--rounding", "gptq"),
-            a3b("A3B uncalibrated", "a3b-uncalibrated"), llm_compressor("gptq"), llm_compressor("awq")]
+            a3b("A3B uncalibrated", "a3b-uncalibrated"),
+            *(llm_compressor(method, kernel) for method in ("gptq", "awq") for kernel in typing.get_args(PeerKernel))]
 
 
 def build(variant: Variant) -> float | None:
@@ -148,18 +160,29 @@ def perplexity(llm, windows: list[list[int]]) -> float:
     return math.exp(total / count)
 
 
-def engine(directory: Path):
+def engine(variant: Variant):
     from vllm import LLM
 
     from a3b_backend.profiles import get_profile
 
     args = get_profile("cpu").engine_args(ROOT)
-    args["model"] = str(directory)
+    args["model"] = str(variant.directory)
     # every TTFT round sends the same prompt: without this it would time a prefix-cache hit
     args["enable_prefix_caching"] = False
+    # room for one max_model_len sequence of this model; every variant's engine stays up for the speed rounds
+    args["kv_cache_memory_bytes"] = KV_CACHE_BYTES
     # vLLM's CPU W4A16 kernel (cpu_gemm_wna16) has no float32 path, so every variant runs in bfloat16
     args["dtype"] = DTYPE
-    return LLM(**args)
+    saved = {name: os.environ.get(name) for name, _ in variant.engine_env}
+    os.environ.update(variant.engine_env)
+    try:  # the engine's process reads them as it starts
+        return LLM(**args)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 def measure(chosen: list[Variant], rounds: int) -> list[dict]:
@@ -168,10 +191,10 @@ def measure(chosen: list[Variant], rounds: int) -> list[dict]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from a3b_backend.vllm_a3b import linear_weight_bytes
+    from a3b_backend.vllm_a3b import linear_kernels, linear_weight_bytes
     from perf.a3b_vs_bf16 import prompts
 
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model pickles linear_weight_bytes
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model pickles linear_weight_bytes and linear_kernels
     tokenizer = AutoTokenizer.from_pretrained(BF16_DIR)
     windows, agreement_prompts = eval_windows(tokenizer), [TokensPrompt(prompt_token_ids=p) for p in
                                                            prompts(tokenizer)]
@@ -180,12 +203,13 @@ def measure(chosen: list[Variant], rounds: int) -> list[dict]:
     chat_prompt = TokensPrompt(prompt_token_ids=tokenizer.encode(chat, add_special_tokens=False))
     rows, llms = [], {}
     for variant in tqdm(chosen, desc="engines: quality", unit="variant"):
-        llm = llms[variant.name] = engine(variant.directory)
+        llm = llms[variant.name] = engine(variant)
         bits, weights = linear_bits(variant.directory)
         greedy = llm.generate(agreement_prompts, SamplingParams(temperature=0, max_tokens=AGREEMENT_TOKENS,
                                                                 ignore_eos=True), use_tqdm=False)
         rows.append({"variant": variant.name, "bits_per_weight": bits, "linear_weights": weights,
                      "linear_resident_bytes": llm.apply_model(linear_weight_bytes)[0]["resident"],
+                     "kernels": llm.apply_model(linear_kernels)[0],
                      "perplexity": perplexity(llm, windows), "eval_tokens": sum(len(w) - 1 for w in windows),
                      "greedy_tokens": [list(o.outputs[0].token_ids) for o in greedy], "decode": [], "ttft": []})
         tqdm.write(f"{variant.name}: {bits:.3f} bits/weight, perplexity {rows[-1]['perplexity']:.2f}")
@@ -209,14 +233,20 @@ def _agreement(row: dict, base: dict) -> tuple[int, float]:
     return sum(a == b for a, b in pairs), statistics.mean(prefix)
 
 
+def fastest_peer(rows: list[dict], kernel: PeerKernel) -> float:
+    """The best median decode tokens/s among the peers on `kernel`."""
+    return max((statistics.median(r["decode"]) for r in rows if r["variant"].endswith(f", {kernel} kernel")),
+               default=float("nan"))
+
+
 def markdown(rows: list[dict]) -> str:
     base = rows[0]
-    peers = [r for r in rows if r["variant"].startswith(("GPTQ", "AWQ"))]
-    fastest_peer = max((statistics.median(r["decode"]) for r in peers), default=float("nan"))
+    kernels = typing.get_args(PeerKernel)
+    fastest = {kernel: fastest_peer(rows, kernel) for kernel in kernels}
     lines = ["| variant | bits/weight (stored) | resident linear MiB | perplexity | vs bf16 | greedy = bf16 "
              f"(of {len(base['greedy_tokens'])}) | mean common prefix (of {AGREEMENT_TOKENS}) | decode tok/s (median) "
-             "| vs best peer | TTFT ms (median) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             + "".join(f"| vs best peer, {kernel} kernel " for kernel in kernels) + "| TTFT ms (median) | kernel |",
+             "|---" * (10 + len(kernels)) + "|"]
     for r in rows:
         speed = statistics.median(r["decode"])
         same, prefix = _agreement(r, base)
@@ -225,8 +255,9 @@ def markdown(rows: list[dict]) -> str:
         lines.append(
             f"| {r['variant']} | {r['bits_per_weight']:.3f} | {resident} | "
             f"{r['perplexity']:.2f} | {100 * (r['perplexity'] / base['perplexity'] - 1):+.1f}% | "
-            f"{same} | {prefix:.1f} | {speed:.1f} | {speed / fastest_peer:.2f}x | "
-            f"{1000 * statistics.median(r['ttft']):.0f} |")
+            f"{same} | {prefix:.1f} | {speed:.1f} | "
+            + "".join(f"{speed / fastest[kernel]:.2f}x | " for kernel in kernels)
+            + f"{1000 * statistics.median(r['ttft']):.0f} | {', '.join(r['kernels'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -270,6 +301,11 @@ def write_report(rows: list[dict], build_seconds: dict, rounds: int, out: Path) 
         f"{DECODE_TOKENS} greedy tokens and a 1-token TTFT on a chat prompt, {rounds} rounds over all variants, "
         f"medians. Every variant in {DTYPE} activations (vLLM's CPU W4A16 kernel has no float32 path), eager, "
         f"prefix caching off. Conversion times (this run): {built}.\n\n"
+        "Each peer checkpoint runs on both of stock vLLM's CPU kernels for it: the W4A16 kernel "
+        "(`cpu_gemm_wna16`, bf16 activations, `VLLM_CPU_INT4_W4A8=0`) and the W4A8 kernel "
+        "(`int4_scaled_mm_cpu`: activations rounded to int8 per row, int8 AMX tiles), which vLLM picks by "
+        "default for these checkpoints on a CPU with AMX. The last column names the kernel each row's layers "
+        "ran, read from the loaded model.\n\n"
         "The default model's bf16 weights were rebuilt from a Q4_1 GGUF (4-bit, 32-weight blocks with an fp16 "
         "scale and minimum each), so every 4-bit format is measured against weights that were once 4-bit: a "
         "grid that can land on the old one (asymmetric groups dividing 32) is favoured.\n\n"
