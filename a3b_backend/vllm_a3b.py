@@ -369,7 +369,10 @@ class A3BMoEMethod(FusedMoEMethodBase):
     def _expert_linear(self, x: torch.Tensor, layer: torch.nn.Module, stem: str, expert: int) -> torch.Tensor:
         weight = layer.a3b_experts[stem].expert(expert)
         if x.device.type == "cpu":
-            return cpu_linear("MoE expert", x, weight, self.config.block, layer.a3b_strategy)
+            # float32 x, so float32 y: a row's experts agree whichever path its batch takes (fused or
+            # dequantize + GEMM, equal to ~1e-7); bf16 between gate_up and down would round those
+            # differences up to a bf16 step, and batched streams part from their solo runs
+            return cpu_linear("MoE expert", x.float(), weight, self.config.block, layer.a3b_strategy)
         return x.float() @ dequantize(weight, self.config.format).T  # torch reference path, not a kernel
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
