@@ -4,8 +4,14 @@ $A3B_KERNEL_CACHE, default ~/.cache/a3b-triton).
 
 Two strategies keep the weight packed in memory (docs/a3b_format.md):
   fused    codes read in place by `a3b_linear` for up to FUSED_MAX_ROWS rows of
-           x (decode), one dequantize + float32 GEMM above that (prefill);
+           x (decode), one dequantize + GEMM above that (prefill);
   dequant  dequantize the whole weight on every call, then the GEMM.
+bf16 x multiplies the weights' values rounded to bf16 on both paths, so that a
+row's result does not depend on its batch's path beyond float32 summation
+order (the model's later bf16 roundings would turn a larger difference into
+bf16 steps); its GEMM runs in bf16 where the CPU has AVX512-BF16, in float32
+on the same values elsewhere (torch's bf16 GEMM is a scalar loop there).
+float32 x multiplies the float32 values.
 The C++ kernel is compiled for up to FUSED_MAX_ROWS rows (kMaxRows);
 `make bench-cpu-linear` times it, in chunks of that many rows past it, against
 dequantize + GEMM by row count (perf/results/cpu_linear.md).
@@ -35,6 +41,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 Strategy = Literal["fused", "dequant"]
 STRATEGIES: tuple[Strategy, ...] = typing.get_args(Strategy)
 FUSED_MAX_ROWS = 8
+BF16_GEMM = torch.cpu._is_avx512_bf16_supported()
 
 
 def cache_dir() -> Path:
@@ -65,9 +72,9 @@ def ops():
     return module
 
 
-def dequantize(weight: A3BWeight, block: tuple[int, int]) -> torch.Tensor:
-    """float32 W[out, in] from the packed tensors."""
-    return ops().a3b_dequantize(*weight.kernel_tensors(), weight.in_features, *block)
+def dequantize(weight: A3BWeight, block: tuple[int, int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W[out, in] from the packed tensors: float32, or for bfloat16 the values rounded to bf16."""
+    return ops().a3b_dequantize(*weight.kernel_tensors(), weight.in_features, *block, dtype == torch.bfloat16)
 
 
 def path(rows: int, strategy: Strategy) -> Strategy:
@@ -89,8 +96,11 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, lo: torch.Tensor, step: torch
     if path(x.shape[0], strategy) == "fused":
         return ops().a3b_linear(x, *kernel_tensors, block_rows, block_cols)
     # x's columns are the weight's in_features
-    weight = ops().a3b_dequantize(*kernel_tensors, x.shape[1], block_rows, block_cols)
-    return torch.nn.functional.linear(x.float(), weight).to(x.dtype)
+    bf16 = x.dtype == torch.bfloat16
+    weight = ops().a3b_dequantize(*kernel_tensors, x.shape[1], block_rows, block_cols, bf16)
+    if bf16 and not BF16_GEMM:
+        return torch.nn.functional.linear(x.float(), weight.float()).to(x.dtype)
+    return torch.nn.functional.linear(x if bf16 else x.float(), weight)
 
 
 _linear_op = torch.library.custom_op("a3b::cpu_linear", _linear, mutates_args=())

@@ -107,8 +107,9 @@ Meta meta_of(const torch::Tensor& packed, const torch::Tensor& lo, const torch::
 }
 
 // The 16-entry value table of block (row, b), decoded from the stored bytes:
-// T[c] = lo + (c >> 1) * step + (c & 1 ? d : -d).
-inline void block_table(const Meta& m, int64_t row, int64_t b, float* table) {
+// T[c] = lo + (c >> 1) * step + (c & 1 ? d : -d); with `bf16`, each entry
+// rounded to the nearest bf16 (even on ties), as torch rounds.
+inline void block_table(const Meta& m, int64_t row, int64_t b, float* table, bool bf16) {
   const int64_t rb = row / m.rows;
   const int64_t idx = rb * m.nbc + b;
   const float lo = float(m.lo[idx]) * float(m.lo_scale[rb]);
@@ -116,6 +117,8 @@ inline void block_table(const Meta& m, int64_t row, int64_t b, float* table) {
   const float d = step * float(m.delta[idx]) / 255.0f;
 #pragma omp simd
   for (int c = 0; c < 16; ++c) table[c] = lo + float(c >> 1) * step + float(2 * (c & 1) - 1) * d;
+  if (bf16)
+    for (int c = 0; c < 16; ++c) table[c] = float(at::BFloat16(table[c]));
 }
 
 // Calls vec(i, values of weights i..i+kLanes-1) for each whole group of 32
@@ -158,7 +161,7 @@ inline void for_each_weight(const uint8_t* codes, int64_t width, const float* ta
 // so the accumulators live in registers. Out: float, or at::BFloat16 (rounded
 // to nearest even from the float sum, as torch's conversion rounds).
 template <int M, typename Out>
-void linear_rows(const Meta& m, const float* xp, Out* yp, int64_t begin, int64_t end) {
+void linear_rows(const Meta& m, const float* xp, Out* yp, int64_t begin, int64_t end, bool bf16_table) {
   alignas(64) float table[16];
   const int64_t K = m.k, cols = m.cols;
   for (int64_t row = begin; row < end; ++row) {
@@ -169,7 +172,7 @@ void linear_rows(const Meta& m, const float* xp, Out* yp, int64_t begin, int64_t
     const uint8_t* codes = m.packed + row * m.kp;
     for (int64_t b = 0; b < m.nbc; ++b) {
       const int64_t c0 = b * cols;
-      block_table(m, row, b, table);
+      block_table(m, row, b, table, bf16_table);
       for_each_weight(
           codes + c0 / 2, std::min(cols, K - c0), table,
           [&](int64_t i, auto values) {
@@ -214,6 +217,15 @@ std::vector<float> chunk_order(const T* x, int64_t rows_of_x, int64_t k) {
   return out;
 }
 
+// Each lane rounded to the nearest bf16 (even on ties) and widened back: the
+// integer form of torch's float -> bf16 rounding, for finite values.
+inline __m512 bf16_rounded(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i sum = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+  return _mm512_castsi512_ps(_mm512_and_si512(sum, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+
 // lo, step and d of every block of block row rb, decoded 16 blocks at a time
 // (block_table's arithmetic), so that a block's table is then two FMAs on
 // broadcast loads rather than scalar conversions and shuffles per block.
@@ -239,18 +251,19 @@ struct BlockParams {
     }
   }
 
-  // block b's 16 table values in one register
-  __m512 table(int64_t b) const {
+  // block b's 16 table values in one register (block_table's, bf16-rounded with `bf16`)
+  __m512 table(int64_t b, bool bf16) const {
     const __m512 half = _mm512_setr_ps(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const __m512 sign = _mm512_setr_ps(-1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1);
     const __m512 base = _mm512_fmadd_ps(half, _mm512_set1_ps(step[b]), _mm512_set1_ps(lo[b]));
-    return _mm512_fmadd_ps(sign, _mm512_set1_ps(d[b]), base);
+    const __m512 values = _mm512_fmadd_ps(sign, _mm512_set1_ps(d[b]), base);
+    return bf16 ? bf16_rounded(values) : values;
   }
 };
 
 // linear_rows for blocks a multiple of 128 wide; `xc` is chunk_order(x).
 template <int M, typename Out>
-void chunked_rows(const Meta& m, const float* xc, Out* yp, int64_t begin, int64_t end) {
+void chunked_rows(const Meta& m, const float* xc, Out* yp, int64_t begin, int64_t end, bool bf16_table) {
   const int64_t width = chunked_width(m.k);
   BlockParams params(m.nbc);
   for (int64_t row = begin; row < end; ++row) {
@@ -258,7 +271,7 @@ void chunked_rows(const Meta& m, const float* xc, Out* yp, int64_t begin, int64_
     RowSums<M> sums;
     const uint8_t* codes = m.packed + row * m.kp;
     for (int64_t b = 0; b < m.nbc; ++b) {
-      const __m512 table = params.table(b);
+      const __m512 table = params.table(b, bf16_table);
       for (int64_t c0 = b * m.cols; c0 < std::min((b + 1) * m.cols, m.k); c0 += kChunk) {
         const int64_t bytes = std::min<int64_t>(kChunk / 2, m.kp - c0 / 2);
         _mm_prefetch(reinterpret_cast<const char*>(codes + c0 / 2 + kPrefetchBytes), _MM_HINT_T0);
@@ -305,6 +318,10 @@ torch::Tensor a3b_linear(const torch::Tensor& x_in, const torch::Tensor& packed,
               "a3b_linear: x must be float32 or bfloat16");
   const int64_t M = x_in.size(0), K = x_in.size(1);
   const Meta m = meta_of(packed, lo, step, delta, lo_scale, step_scale, K, rows, cols);
+  // bf16 x multiplies the bf16-rounded weights a3b_dequantize writes for the
+  // prefill's bf16 GEMM, so a row's result does not depend on which path its
+  // batch takes beyond float32 summation order
+  const bool bf16 = x_in.scalar_type() == torch::kBFloat16;
   torch::Tensor y = torch::empty({M, m.n}, x_in.options());
 #ifdef A3B_CHUNKED
   if (cols % kChunk == 0) {
@@ -314,7 +331,9 @@ torch::Tensor a3b_linear(const torch::Tensor& x_in, const torch::Tensor& packed,
                                       : chunk_order(x.data_ptr<float>(), M, K);
     with_output(y, [&](auto yp) {
       at::parallel_for(0, m.n, 16, [&](int64_t begin, int64_t end) {
-        with_rows(M, [&](auto x_rows) { chunked_rows<decltype(x_rows)::value>(m, xc.data(), yp, begin, end); });
+        with_rows(M, [&](auto x_rows) {
+          chunked_rows<decltype(x_rows)::value>(m, xc.data(), yp, begin, end, bf16);
+        });
       });
     });
     return y;
@@ -324,42 +343,68 @@ torch::Tensor a3b_linear(const torch::Tensor& x_in, const torch::Tensor& packed,
   const float* xp = x.data_ptr<float>();
   with_output(y, [&](auto yp) {
     at::parallel_for(0, m.n, 16, [&](int64_t begin, int64_t end) {
-      with_rows(M, [&](auto x_rows) { linear_rows<decltype(x_rows)::value>(m, xp, yp, begin, end); });
+      with_rows(M, [&](auto x_rows) { linear_rows<decltype(x_rows)::value>(m, xp, yp, begin, end, bf16); });
     });
   });
   return y;
 }
 
-// float32 W[N, K]: the whole weight, for large M (prefill), where one
-// dequantize plus a GEMM beats re-reading the codes per row of x.
+namespace {
+
+#ifdef A3B_SIMD
+inline void store_values(float* p, VecF values) { vstore(p, values); }
+// `values` are bf16-exact (a rounded table's entries): their high halves are the bf16 bits
+inline void store_values(at::BFloat16* p, VecF values) {
+#if defined(__AVX512F__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(values), 16)));
+#else
+  alignas(32) float lanes[kLanes];
+  vstore(lanes, values);
+  for (int i = 0; i < kLanes; ++i) p[i] = at::BFloat16(lanes[i]);
+#endif
+}
+#endif
+
+// Rows [begin, end) of W as Out: float, or at::BFloat16 from the bf16-rounded table.
+template <typename Out>
+void dequantize_rows(const Meta& m, Out* wp, int64_t begin, int64_t end) {
+  alignas(64) float table[16];
+  for (int64_t row = begin; row < end; ++row) {
+    for (int64_t b = 0; b < m.nbc; ++b) {
+      const int64_t c0 = b * m.cols;
+      Out* out = wp + row * m.k + c0;
+      block_table(m, row, b, table, std::is_same_v<Out, at::BFloat16>);
+      for_each_weight(
+          m.packed + row * m.kp + c0 / 2, std::min(m.cols, m.k - c0), table,
+          [&](int64_t i, auto values) {
+#ifdef A3B_SIMD
+            store_values(out + i, values);
+#endif
+          },
+          [&](int64_t i, float value) { out[i] = Out(value); });
+    }
+  }
+}
+
+}  // namespace
+
+// W[N, K]: the whole weight, for large M (prefill), where one dequantize plus
+// a GEMM beats re-reading the codes per row of x. float32, or with `bf16` the
+// values rounded to bf16 (what a3b_linear multiplies bf16 x by) for a bf16 GEMM.
 torch::Tensor a3b_dequantize(const torch::Tensor& packed, const torch::Tensor& lo, const torch::Tensor& step,
                              const torch::Tensor& delta, const torch::Tensor& lo_scale,
-                             const torch::Tensor& step_scale, int64_t in_features, int64_t rows, int64_t cols) {
+                             const torch::Tensor& step_scale, int64_t in_features, int64_t rows, int64_t cols,
+                             bool bf16) {
   const Meta m = meta_of(packed, lo, step, delta, lo_scale, step_scale, in_features, rows, cols);
-  torch::Tensor w = torch::empty({m.n, m.k}, torch::TensorOptions().dtype(torch::kFloat32));
-  float* wp = w.data_ptr<float>();
-  at::parallel_for(0, m.n, 16, [&](int64_t begin, int64_t end) {
-    float table[16];
-    for (int64_t row = begin; row < end; ++row) {
-      for (int64_t b = 0; b < m.nbc; ++b) {
-        const int64_t c0 = b * cols;
-        float* out = wp + row * m.k + c0;
-        block_table(m, row, b, table);
-        for_each_weight(
-            m.packed + row * m.kp + c0 / 2, std::min(cols, m.k - c0), table,
-            [&](int64_t i, auto values) {
-#ifdef A3B_SIMD
-              vstore(out + i, values);
-#endif
-            },
-            [&](int64_t i, float value) { out[i] = value; });
-      }
-    }
+  torch::Tensor w = torch::empty({m.n, m.k}, torch::TensorOptions().dtype(bf16 ? torch::kBFloat16 : torch::kFloat32));
+  with_output(w, [&](auto wp) {
+    at::parallel_for(0, m.n, 16, [&](int64_t begin, int64_t end) { dequantize_rows(m, wp, begin, end); });
   });
   return w;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("a3b_linear", &a3b_linear, "A3B linear, codes read in place (small batches)");
-  module.def("a3b_dequantize", &a3b_dequantize, "A3B weight -> float32");
+  module.def("a3b_dequantize", &a3b_dequantize, "A3B weight -> float32, or bf16-rounded values in bf16");
 }
