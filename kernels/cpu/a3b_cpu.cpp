@@ -35,6 +35,14 @@ inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VecF vadd(VecF a, VecF b) { return _mm512_add_ps(a, b); }
 inline void vstore(float* p, VecF a) { _mm512_storeu_ps(p, a); }
 inline float vsum(VecF a) { return _mm512_reduce_add_ps(a); }
+// Each lane rounded to the nearest bf16 (even on ties) and widened back: the
+// integer form of torch's float -> bf16 rounding, for finite values.
+inline __m512 bf16_rounded(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i sum = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+  return _mm512_castsi512_ps(_mm512_and_si512(sum, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
 #elif defined(__AVX2__)
 using VecF = __m256;
 constexpr int kLanes = 8;
@@ -117,8 +125,13 @@ inline void block_table(const Meta& m, int64_t row, int64_t b, float* table, boo
   const float d = step * float(m.delta[idx]) / 255.0f;
 #pragma omp simd
   for (int c = 0; c < 16; ++c) table[c] = lo + float(c >> 1) * step + float(2 * (c & 1) - 1) * d;
-  if (bf16)
-    for (int c = 0; c < 16; ++c) table[c] = float(at::BFloat16(table[c]));
+  if (!bf16) return;
+#if defined(__AVX512F__)
+  // 16 scalar roundings per block would cost more than decoding the block
+  _mm512_storeu_ps(table, bf16_rounded(_mm512_loadu_ps(table)));
+#else
+  for (int c = 0; c < 16; ++c) table[c] = float(at::BFloat16(table[c]));
+#endif
 }
 
 // Calls vec(i, values of weights i..i+kLanes-1) for each whole group of 32
@@ -215,15 +228,6 @@ std::vector<float> chunk_order(const T* x, int64_t rows_of_x, int64_t k) {
       out[r * width + c0 + 16 * code + j] = float(x[r * k + c]);
     }
   return out;
-}
-
-// Each lane rounded to the nearest bf16 (even on ties) and widened back: the
-// integer form of torch's float -> bf16 rounding, for finite values.
-inline __m512 bf16_rounded(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i sum = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-  return _mm512_castsi512_ps(_mm512_and_si512(sum, _mm512_set1_epi32(int(0xFFFF0000u))));
 }
 
 // lo, step and d of every block of block row rb, decoded 16 blocks at a time
