@@ -41,9 +41,12 @@ def test_bf16_dequantize_is_the_float32_one_rounded():
 @pytest.mark.parametrize("config", CONFIGS[:2], ids=lambda c: f"{c.block_rows}x{c.block_cols}")
 @pytest.mark.parametrize("strategy", cpu.STRATEGIES)
 @pytest.mark.parametrize("rows", [2, cpu.FUSED_MAX_ROWS + 1, 40])
-def test_bf16_x_multiplies_the_bf16_rounded_weights_on_every_path(config, strategy, rows):
-    """Fused or dequantize + GEMM, bf16 x gets the float32 sum of x times the bf16-rounded
-    weights, rounded once to bf16: the paths differ by summation order alone."""
+@pytest.mark.parametrize("bf16_gemm", [True, False], ids=["bf16 GEMM", "float32 GEMM"])
+def test_bf16_x_multiplies_the_bf16_rounded_weights_on_every_path(config, strategy, rows, bf16_gemm, monkeypatch):
+    """Fused or dequantize + GEMM (bf16, or float32 where the CPU lacks AVX512-BF16), bf16 x gets the
+    float32 sum of x times the bf16-rounded weights, rounded once to bf16: the paths differ by
+    summation order alone."""
+    monkeypatch.setattr(cpu, "BF16_GEMM", bf16_gemm)
     q = quantize(fresh(48, 256, scale=0.05), config)
     x = fresh(rows, 256).to(torch.bfloat16)
     expected = x.float() @ cpu.dequantize(q, config.block, torch.bfloat16).float().T
