@@ -369,11 +369,8 @@ class A3BMoEMethod(FusedMoEMethodBase):
     def _expert_linear(self, x: torch.Tensor, layer: torch.nn.Module, stem: str, expert: int) -> torch.Tensor:
         weight = layer.a3b_experts[stem].expert(expert)
         if x.device.type == "cpu":
-            # float32 x, so float32 y: a row's experts agree whichever path its batch takes (fused or
-            # dequantize + GEMM, equal to ~1e-7); bf16 between gate_up and down would round those
-            # differences up to a bf16 step, and batched streams part from their solo runs
-            return cpu_linear("MoE expert", x.float(), weight, self.config.block, layer.a3b_strategy)
-        return x.float() @ dequantize(weight, self.config.format).T  # torch reference path, not a kernel
+            return cpu_linear("MoE expert", x, weight, self.config.block, layer.a3b_strategy)
+        return x @ dequantize(weight, self.config.format).T  # torch reference path, not a kernel
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts=None, shared_experts_input=None) -> torch.Tensor:
@@ -381,12 +378,16 @@ class A3BMoEMethod(FusedMoEMethodBase):
         if x.device.type != "cpu" and self.config.block[0] == 1:
             experts = layer.a3b_experts
             return gpu_moe(x, experts["w13"], experts["w2"], topk_weights, ids, self.config.block[1]).to(x.dtype)
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        # The experts compute in float32, so a row's result is the same whichever path its batch takes
+        # (fused or dequantize + GEMM, equal to ~1e-7); bf16 between gate_up and down would round those
+        # differences up to a bf16 step, and batched streams part from their solo runs
+        hidden = x.float()
+        out = torch.zeros_like(hidden)
         for expert in ids.unique().tolist():
             if expert < 0:  # another rank's expert
                 continue
             tokens, slot = (ids == expert).nonzero(as_tuple=True)
-            gate_up = self._expert_linear(x[tokens], layer, "w13", expert)
+            gate_up = self._expert_linear(hidden[tokens], layer, "w13", expert)
             gate, up = gate_up.chunk(2, dim=-1)
             down = self._expert_linear(torch.nn.functional.silu(gate) * up, layer, "w2", expert)
             out.index_add_(0, tokens, down * topk_weights[tokens, slot, None].float())

@@ -204,6 +204,6 @@ def test_vllm_prefill_and_decode_match_transformers(checkpoint, prompts, tmp_pat
     compare(*map(list, zip(*all_decode)), "decode")
     if checkpoint == QUANTIZED:
         # decode steps (one row per sequence) went through the fused CPU kernel, on the model's bf16
-        # activations; the MoE experts take them as float32 (A3BMoEMethod._expert_linear says why)
+        # activations; the MoE experts take them as float32 (A3BMoEMethod.apply says why)
         for layer_kind, dtype in (("linear", "bfloat16"), ("MoE expert", "float32")):
             assert re.search(rf"A3B {layer_kind}: CPU fused path, {dtype} activations", log), layer_kind

@@ -47,7 +47,7 @@ def test_qwen_architecture_serves_through_the_fused_a3b_kernel(qwen_server):
     log = qwen_server.log.read_text(errors="replace")
     assert "Qwen3_5MoeForCausalLM" in log
     assert re.search(r"A3B linear: CPU fused path, bfloat16 activations", log)
-    assert re.search(r"A3B MoE expert: CPU fused path, float32 activations", log)  # as _expert_linear takes them
+    assert re.search(r"A3B MoE expert: CPU fused path, float32 activations", log)  # as A3BMoEMethod.apply passes them
 
 
 def test_both_request_forms_streaming_and_http(qwen_server):

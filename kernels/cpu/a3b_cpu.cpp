@@ -330,9 +330,8 @@ torch::Tensor a3b_linear(const torch::Tensor& x_in, const torch::Tensor& packed,
 #ifdef A3B_CHUNKED
   if (cols % kChunk == 0) {
     const torch::Tensor x = x_in.contiguous();
-    const std::vector<float> xc = x.scalar_type() == torch::kBFloat16
-                                      ? chunk_order(x.data_ptr<at::BFloat16>(), M, K)
-                                      : chunk_order(x.data_ptr<float>(), M, K);
+    const std::vector<float> xc =
+        bf16 ? chunk_order(x.data_ptr<at::BFloat16>(), M, K) : chunk_order(x.data_ptr<float>(), M, K);
     with_output(y, [&](auto yp) {
       at::parallel_for(0, m.n, 16, [&](int64_t begin, int64_t end) {
         with_rows(M, [&](auto x_rows) {
