@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 import typing
+from unittest import mock
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,7 +70,11 @@ class Variant:
     name: str
     directory: Path
     build: list[str] | None  # the command that writes `directory`; None: it exists already
-    engine_env: tuple[tuple[str, str], ...] = ()  # set while its engine starts
+    peer_kernel: PeerKernel | None = None  # which of vLLM's CPU kernels a peer checkpoint is asked to run on
+
+    def engine_env(self) -> dict[str, str]:
+        """Environment its engine's process starts with."""
+        return {} if self.peer_kernel is None else {"VLLM_CPU_INT4_W4A8": "1" if self.peer_kernel == "W4A8" else "0"}
 
 
 def calibration_text() -> Path:
@@ -94,8 +99,7 @@ def variants(calibration: Path) -> list[Variant]:
         return Variant(f"{method.upper()} W4A16 g{GROUP_SIZE}, {kernel} kernel", out, [
             str(QUANT_PYTHON), str(Path(__file__).with_name("peers.py")), "--model", str(BF16_DIR),
             "--calibration", str(calibration), "--group-size", str(GROUP_SIZE), "--sequences", str(SEQUENCES),
-            "--seq-len", str(SEQ_LEN), "--method", method, "--out", str(out)],
-            (("VLLM_CPU_INT4_W4A8", "1" if kernel == "W4A8" else "0"),))
+            "--seq-len", str(SEQ_LEN), "--method", method, "--out", str(out)], kernel)
 
     return [Variant("bf16", BF16_DIR, None), a3b("A3B", "a3b", *calibrated),
             a3b("A3B + GPTQ rounding", "a3b-gptq", *calibrated, "--rounding", "gptq"),
@@ -173,16 +177,8 @@ def engine(variant: Variant):
     args["kv_cache_memory_bytes"] = KV_CACHE_BYTES
     # vLLM's CPU W4A16 kernel (cpu_gemm_wna16) has no float32 path, so every variant runs in bfloat16
     args["dtype"] = DTYPE
-    saved = {name: os.environ.get(name) for name, _ in variant.engine_env}
-    os.environ.update(variant.engine_env)
-    try:  # the engine's process reads them as it starts
+    with mock.patch.dict(os.environ, variant.engine_env()):  # the engine's process reads it as it starts
         return LLM(**args)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
 
 
 def measure(chosen: list[Variant], rounds: int) -> list[dict]:
@@ -207,7 +203,8 @@ def measure(chosen: list[Variant], rounds: int) -> list[dict]:
         bits, weights = linear_bits(variant.directory)
         greedy = llm.generate(agreement_prompts, SamplingParams(temperature=0, max_tokens=AGREEMENT_TOKENS,
                                                                 ignore_eos=True), use_tqdm=False)
-        rows.append({"variant": variant.name, "bits_per_weight": bits, "linear_weights": weights,
+        rows.append({"variant": variant.name, "peer_kernel": variant.peer_kernel, "bits_per_weight": bits,
+                     "linear_weights": weights,
                      "linear_resident_bytes": llm.apply_model(linear_weight_bytes)[0]["resident"],
                      "kernels": llm.apply_model(linear_kernels)[0],
                      "perplexity": perplexity(llm, windows), "eval_tokens": sum(len(w) - 1 for w in windows),
@@ -235,8 +232,7 @@ def _agreement(row: dict, base: dict) -> tuple[int, float]:
 
 def fastest_peer(rows: list[dict], kernel: PeerKernel) -> float:
     """The best median decode tokens/s among the peers on `kernel`."""
-    return max((statistics.median(r["decode"]) for r in rows if r["variant"].endswith(f", {kernel} kernel")),
-               default=float("nan"))
+    return max((statistics.median(r["decode"]) for r in rows if r["peer_kernel"] == kernel), default=float("nan"))
 
 
 def markdown(rows: list[dict]) -> str:
