@@ -84,19 +84,20 @@ def awq_scale(stats: ChannelStats, alpha: float) -> torch.Tensor:
     return s / (s.max() * s.min()).sqrt()
 
 
-QuantDequant = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (linear name, weight, input importance) -> the weight as quantized and dequantized
+QuantDequant = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def choose_scale(weights: list[torch.Tensor], stats: ChannelStats, quant_dequant: QuantDequant) -> torch.Tensor:
+def choose_scale(weights: dict[str, torch.Tensor], stats: ChannelStats, quant_dequant: QuantDequant) -> torch.Tensor:
     """The AWQ scale, among alpha in ALPHAS, that minimizes the output error of
-    the layers sharing this input: E||x (W - W_hat)^T||^2, taken with the
+    the layers sharing this input (by name): E||x (W - W_hat)^T||^2, taken with the
     diagonal of E[x x^T] (sum_j E[x_j^2] ||W[:, j] - W_hat[:, j]||^2)."""
     best, best_err = None, float("inf")
     for alpha in ALPHAS:
         s = awq_scale(stats, alpha)
         importance = stats.importance / s**2
-        err = sum(float((((quant_dequant(w * s, importance) / s) - w) ** 2 * stats.importance).sum())
-                  for w in weights)
+        err = sum(float((((quant_dequant(name, w * s, importance) / s) - w) ** 2 * stats.importance).sum())
+                  for name, w in weights.items())
         if err < best_err:
             best, best_err = s, err
     return best

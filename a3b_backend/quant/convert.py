@@ -114,14 +114,14 @@ def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BCo
     stats = calibrate.collect(model, ids, hessians=rounding == "gptq")
     linears = calibrate.quantized_linears(model)
 
-    def quant_dequant(w, importance):
+    def quant_dequant(_name, w, importance):
         return dequantize(quantize(w, config, col_importance=importance), config)
 
     per_linear = {name: LinearCalibration(st.importance, hessian=None if st.gram is None else st.hessian)
                   for name, st in stats.items()}
     per_norm = {}
     for norm, members in tqdm(calibrate.groups(list(stats)).items(), desc="searching AWQ scales", unit="group"):
-        scale = calibrate.choose_scale([linears[m].weight for m in members], stats[members[0]], quant_dequant)
+        scale = calibrate.choose_scale({m: linears[m].weight for m in members}, stats[members[0]], quant_dequant)
         per_norm[norm] = scale
         per_linear.update({m: dataclasses.replace(per_linear[m], scale=scale) for m in members})
     return per_linear, per_norm

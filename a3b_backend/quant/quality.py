@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -32,24 +33,47 @@ CALIBRATION_TEXT = Path("/usr/share/common-licenses/GPL-3")
 SEQ_LEN = 512
 
 
+# Projections by the share of the perplexity loss each causes when quantized alone
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Finer blocks for some projections, the rest at 1x128: (projection regex, block) per variant. vLLM
+# serves q/k/v as one layer, so v_proj alone finer needs per-shard blocks there.
+MIXED_BLOCKS = (
+    ((r"down_proj$", (1, 32)),),
+    ((r"down_proj$", (1, 32)), (r"o_proj$", (1, 64))),
+    ((r"down_proj$", (1, 32)), (r"(q|k|v)_proj$", (1, 64))),
+    ((r"down_proj$", (1, 32)), (r"v_proj$", (1, 32))),
+)
+
+
+MIXED = "A3B mixed blocks"
+ONE_PROJECTION = "A3B one projection"
+
+
 @dataclasses.dataclass
 class Variant:
     name: str
     family: str  # "bf16" | "A3B" | "INT4" | "INT3" ...
     aware: bool
-    # (weight, importance or None) -> (dequantized weight, bytes on disk)
-    run: Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, int]] | None
+    # (linear name, weight, importance or None) -> (dequantized weight, bytes on disk)
+    run: Callable[[str, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, int]] | None
+    layers: str | None = None  # regex: only these linears are quantized, the others keep the source weights
 
 
-def _a3b(config: A3BConfig):
-    def run(w, importance):
-        q = quantize(w, config, col_importance=importance)
-        return dequantize(q, config), q.nbytes()
+def _a3b(config: A3BConfig, finer: tuple[tuple[str, tuple[int, int]], ...] = ()):
+    def run(name, w, importance):
+        block = next((b for pattern, b in finer if re.search(pattern, name)), config.block)
+        layer_config = dataclasses.replace(config, block_rows=block[0], block_cols=block[1])
+        q = quantize(w, layer_config, col_importance=importance)
+        return dequantize(q, layer_config), q.nbytes()
     return run
 
 
 def _rtn(config: RtnConfig):
-    return lambda w, _importance: quantize_dequantize(w, config)
+    return lambda _name, w, _importance: quantize_dequantize(w, config)
+
+
+def _mixed_label(finer: tuple[tuple[str, tuple[int, int]], ...]) -> str:
+    return ", ".join(f"{pattern.removesuffix('$')} {r}x{c}" for pattern, (r, c) in finer)
 
 
 def variants() -> list[Variant]:
@@ -61,6 +85,12 @@ def variants() -> list[Variant]:
         for aware in (False, True):
             label = f"A3B {rows}x{cols}" + (" + calib" if aware else "")
             out.append(Variant(label, f"A3B {rows}x{cols}", aware, _a3b(A3BConfig(rows, cols))))
+    for finer in MIXED_BLOCKS:
+        out.append(Variant(f"A3B 1x128, {_mixed_label(finer)} + calib", MIXED, True,
+                           _a3b(A3BConfig(1, 128), finer)))
+    for projection in PROJECTIONS:
+        out.append(Variant(f"A3B 1x128 + calib, {projection} only", ONE_PROJECTION, True,
+                           _a3b(A3BConfig(1, 128)), layers=rf"\.{projection}$"))
     return out
 
 
@@ -85,27 +115,34 @@ def perplexity(model, ids: torch.Tensor) -> float:
 
 @torch.no_grad()
 def apply_variant(model, originals, stats, variant: Variant, stored_dtype: torch.dtype) -> dict:
-    """Quantizes the model's linears in place. AWQ scales are applied as the
-    converter stores them: the linears keep the scaled weights and each
-    RMSNorm is divided by its scale in the checkpoint's dtype."""
+    """Quantizes the model's linears in place (those `variant.layers` selects). AWQ
+    scales are applied as the converter stores them: the linears keep the scaled
+    weights and each RMSNorm is divided by its scale in the checkpoint's dtype; a
+    linear left unquantized beside a selected one reads the same norm, so it keeps
+    its source weight times the scale."""
     linears = calibrate.quantized_linears(model)
+    selected = {n for n in linears if variant.layers is None or re.search(variant.layers, n)}
     scales: dict[str, torch.Tensor] = {}
     if variant.aware:
-        quant_dequant = lambda w, importance: variant.run(w, importance)[0]  # noqa: E731
-        for norm, members in tqdm(calibrate.groups(list(linears)).items(), desc="searching AWQ scales",
+        norm_groups = calibrate.groups(list(linears))
+        quant_dequant = lambda name, w, importance: variant.run(name, w, importance)[0]  # noqa: E731
+        for norm, members in tqdm(calibrate.groups(sorted(selected)).items(), desc="searching AWQ scales",
                                   unit="group", leave=False):
-            s = calibrate.choose_scale([originals[m] for m in members], stats[members[0]], quant_dequant)
-            scales.update({m: s for m in members})
+            s = calibrate.choose_scale({m: originals[m] for m in members}, stats[members[0]], quant_dequant)
+            scales.update({m: s for m in norm_groups[norm]})
             weight = model.get_parameter(f"{norm}.weight")
             weight.copy_(fold_norm_scale(weight.to(stored_dtype), s, zero_centred=False).float())
     nbytes, weights, rel_errors = 0, 0, []
     for name, module in tqdm(linears.items(), desc=variant.name, unit="linear", leave=False):
         w = originals[name]
         scale = scales.get(name)
+        if name not in selected:
+            module.weight.copy_(w if scale is None else w * scale)
+            continue
         importance = None
         if variant.aware:
             importance = stats[name].importance if scale is None else stats[name].importance / scale**2
-        deq, size = variant.run(w if scale is None else w * scale, importance)
+        deq, size = variant.run(name, w if scale is None else w * scale, importance)
         module.weight.copy_(deq.to(module.weight.dtype))
         nbytes += size
         weights += w.numel()
@@ -177,10 +214,10 @@ def _series(rows: list[dict]) -> dict[str, list[dict]]:
     """Curves to draw: A3B groups (plain / calibrated), A3B tiles, RTN, RTN + AWQ."""
     series: dict[str, list[dict]] = {}
     for r in rows:
-        if r["family"] == "bf16":
+        if r["family"] in ("bf16", ONE_PROJECTION):
             continue
         if r["family"].startswith("A3B"):
-            kind = "A3B 64x64 tiles" if "64x64" in r["family"] else "A3B 1xC groups"
+            kind = {"A3B 64x64": "A3B 64x64 tiles", MIXED: MIXED}.get(r["family"], "A3B 1xC groups")
             label = kind + (" + calib" if r["aware"] else "")
         else:
             label = "RTN + AWQ" if r["aware"] else "RTN (INT3/INT4)"
@@ -213,9 +250,25 @@ def write_report(rows: list[dict], args, tokenizer_name: str, eval_tokens: int, 
         "| variant | bits/weight (measured) | perplexity | delta vs bf16 | mean rel. weight error | file size (MB) |",
         "|---|---|---|---|---|---|",
     ]
-    for r in rows:
+    table = [r for r in rows if r["family"] != ONE_PROJECTION]
+    for r in table:
         lines.append(f"| {r['name']} | {r['bits_per_weight']:.3f} | {r['perplexity']:.2f} | "
                      f"{r['perplexity'] - base:+.2f} | {r['weight_error']:.4f} | {r['file_bytes'] / 1e6:.1f} |")
+    alone = [r for r in rows if r["family"] == ONE_PROJECTION]
+    if alone:
+        lines += [
+            "", "## Where the loss comes from", "",
+            "Each projection quantized alone (A3B 1x128 + calib, every other linear at its source weights): "
+            "the perplexity it costs, and its share of the sum over projections. `A3B 1x128, ...` rows above "
+            "give the projections that cost most finer blocks (vLLM serves q/k/v as one layer and gate/up as "
+            "another: a block shape for v_proj alone needs a per-shard block shape in that layer).", "",
+            "| projection quantized alone | perplexity | delta vs bf16 | share of the summed delta |",
+            "|---|---|---|---|",
+        ]
+        total = sum(r["perplexity"] - base for r in alone)
+        for r in alone:
+            lines.append(f"| {r['name'].rsplit(', ', 1)[1]} | {r['perplexity']:.2f} | {r['perplexity'] - base:+.2f} "
+                         f"| {(r['perplexity'] - base) / total:.0%} |")
     (args.out / "report.md").write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(8, 5))
     top = max(4 * base, 60.0)
