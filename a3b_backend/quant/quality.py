@@ -278,6 +278,8 @@ def write_report(rows: list[dict], args, tokenizer_name: str, eval_tokens: int, 
         ys = [min(p["perplexity"], top) for p in pts]
         ax.plot(xs, ys, marker="^" if "calib" in label or "AWQ" in label else "o", label=label)
         for p, y in zip(pts, ys):
+            if p["family"] == MIXED:  # side by side at 4.39-4.42 bits: the table names them
+                continue
             note = p["name"].replace(" + calib", "").replace(" + AWQ", "")
             if p["perplexity"] > top:
                 note += f" (ppl {p['perplexity']:.0f}, off scale)"
