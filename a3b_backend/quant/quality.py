@@ -33,17 +33,18 @@ CALIBRATION_TEXT = Path("/usr/share/common-licenses/GPL-3")
 SEQ_LEN = 512
 
 
-# Projections by the share of the perplexity loss each causes when quantized alone
+# Each quantized alone in a row of its own: where the perplexity loss comes from
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Finer blocks for some projections, the rest at 1x128: (projection regex, block) per variant. vLLM
-# serves q/k/v as one layer, so v_proj alone finer needs per-shard blocks there.
-MIXED_BLOCKS = (
+# (projection regex, block shape) pairs: the first whose regex a linear's name matches sets its block
+FinerBlocks = tuple[tuple[str, tuple[int, int]], ...]
+# Finer blocks for some projections, the rest at 1x128, one variant each. vLLM serves q/k/v as one
+# layer, so v_proj alone finer needs per-shard blocks there.
+MIXED_BLOCKS: tuple[FinerBlocks, ...] = (
     ((r"down_proj$", (1, 32)),),
     ((r"down_proj$", (1, 32)), (r"o_proj$", (1, 64))),
     ((r"down_proj$", (1, 32)), (r"(q|k|v)_proj$", (1, 64))),
     ((r"down_proj$", (1, 32)), (r"v_proj$", (1, 32))),
 )
-
 
 MIXED = "A3B mixed blocks"
 ONE_PROJECTION = "A3B one projection"
@@ -59,7 +60,7 @@ class Variant:
     layers: str | None = None  # regex: only these linears are quantized, the others keep the source weights
 
 
-def _a3b(config: A3BConfig, finer: tuple[tuple[str, tuple[int, int]], ...] = ()):
+def _a3b(config: A3BConfig, finer: FinerBlocks = ()):
     def run(name, w, importance):
         block = next((b for pattern, b in finer if re.search(pattern, name)), config.block)
         layer_config = dataclasses.replace(config, block_rows=block[0], block_cols=block[1])
@@ -72,7 +73,7 @@ def _rtn(config: RtnConfig):
     return lambda _name, w, _importance: quantize_dequantize(w, config)
 
 
-def _mixed_label(finer: tuple[tuple[str, tuple[int, int]], ...]) -> str:
+def _mixed_label(finer: FinerBlocks) -> str:
     return ", ".join(f"{pattern.removesuffix('$')} {r}x{c}" for pattern, (r, c) in finer)
 
 
