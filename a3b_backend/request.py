@@ -52,6 +52,9 @@ SAMPLING_PARAMS: dict[str, Param] = {
     "include_stop_str_in_output": Param("bool", lambda v: True, "true or false"),
     "skip_special_tokens": Param("bool", lambda v: True, "true or false"),
     "logprobs": Param("int", lambda v: 0 <= v <= 20, "an integer in [0, 20]"),
+    # vLLM's: a stream's response carries this many new tokens (the first and
+    # the last go at once), for clients that want fewer, larger pieces.
+    "stream_interval": Param("int", lambda v: v >= 1, "an integer >= 1"),
     "n": Param("int", lambda v: v == 1, "1 (several sequences per request are not supported)"),
     "best_of": Param("int", lambda v: v == 1, "1 (best-of sampling is not supported)"),
     "use_beam_search": Param("bool", lambda v: v is False, "false (beam search is not supported)"),

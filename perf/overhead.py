@@ -1,6 +1,7 @@
 """What Triton adds: the same prompts and sampling through (a) vLLM's AsyncLLM
 directly in this process, (b) `a3b_llm` through tritonserver (token ids in and
-out), (c) the full `ensemble` (text in, text out), interleaved a b c a b c ...
+out), (c) the full `ensemble` (text in, text out) and (d) the ensemble asked
+for STREAM_INTERVAL tokens per response, interleaved a b c d a b c d ...
 
     make bench-overhead       # starts its own server; table + PNG under perf/results/overhead/
 
@@ -17,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -37,12 +38,15 @@ from a3b_backend.profiles import get_profile  # noqa: E402
 
 OUTPUT_TOKENS = 32
 PROMPT_TOKENS = 128
-VARIANTS = ("a: AsyncLLM", "b: a3b_llm", "c: ensemble")
+# d: the same ensemble requests asking for vLLM's stream_interval, so what
+# fewer, larger responses save is read beside c in the same run.
+STREAM_INTERVAL = 4
+VARIANTS = ("a: AsyncLLM", "b: a3b_llm", "c: ensemble", f"d: ensemble, stream_interval {STREAM_INTERVAL}")
 SETTLE_S = 2.0
 
 
-def sampling() -> dict:
-    return {"temperature": 0, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True}
+def sampling(**extra) -> dict:
+    return {"temperature": 0, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True, **extra}
 
 
 async def direct_round(engine, prompts: list[list[int]]) -> list[RequestRecord]:
@@ -55,31 +59,22 @@ async def direct_round(engine, prompts: list[list[int]]) -> list[RequestRecord]:
     async def one(i: int, ids: list[int]) -> RequestRecord:
         record = RequestRecord(time.perf_counter_ns(), [], [])
         async for out in engine.generate(TokensPrompt(prompt_token_ids=ids), params, f"direct-{time.time_ns()}-{i}"):
-            if out.outputs and out.outputs[0].token_ids:
-                record.response_ns.append(time.perf_counter_ns())
-                record.texts.append(" ".join(map(str, out.outputs[0].token_ids)))
+            if out.outputs:
+                record.add(time.perf_counter_ns(), " ".join(map(str, out.outputs[0].token_ids)))
         return record
 
     return list(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts))))
 
 
-def served_round(url: str, model: str, requests: list[dict]) -> list[RequestRecord]:
-    records: list[RequestRecord | None] = [None] * len(requests)
-    output = "token_ids" if model == "a3b_llm" else "text_output"
-
-    def one(i: int) -> None:
-        client = loadgen.StreamClient(url)
-        try:
-            records[i] = client.request(model, requests[i], timeout_s=300, output=output)
-        finally:
-            client.close()
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return records  # type: ignore[return-value]
+@dataclasses.dataclass
+class Round:
+    """One variant's requests of one round."""
+    ttft_ms: list[float]
+    itl_ms: list[float]
+    responses: int  # that carried tokens
+    requests: int
+    # this process's CPU while the round ran: the client's, for the served variants
+    process_cpu_s: float
 
 
 def latencies(records: list[RequestRecord]) -> tuple[list[float], list[float]]:
@@ -113,10 +108,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, title in ((axes[0], "ttft_ms", "TTFT median (ms)"), (axes[1], "itl_ms", "inter-token median (ms)")):
+        width = 0.8 / len(VARIANTS)
         for offset, variant in enumerate(VARIANTS):
             picked = [r for r in rows if r["variant"] == variant]
-            xs = [i + (offset - 1) * 0.27 for i in range(len(picked))]
-            ax.bar(xs, [r[key] for r in picked], width=0.27, label=variant)
+            xs = [i + (offset - (len(VARIANTS) - 1) / 2) * width for i in range(len(picked))]
+            ax.bar(xs, [r[key] for r in picked], width=width, label=variant)
         ax.set_xticks(range(len(picked)), [f"concurrency {r['concurrency']}" for r in picked])
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
@@ -151,24 +147,30 @@ def main(argv: list[str] | None = None) -> None:
         try:
             print("starting AsyncLLM in this process ...", flush=True)
             engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**profile.engine_args(ROOT)))
-            results = {}  # (variant, concurrency) -> list of (ttft list, itl list) per round
+            results: dict[tuple[str, int], list[Round]] = {}
             total = len(args.concurrency) * args.rounds * len(VARIANTS)
             with tqdm(total=total, desc="interleaved rounds", unit="run") as bar:
                 for c in args.concurrency:
                     for _ in range(args.rounds):
                         for variant in VARIANTS:
                             ids = [next(prompts) for _ in range(c)]
+                            cpu_before = time.process_time()
                             if variant.startswith("a"):
                                 records = loop.run_until_complete(direct_round(engine, ids))
                             elif variant.startswith("b"):
-                                records = served_round(server.grpc_url, "a3b_llm", [
+                                records = loop.run_until_complete(loadgen.stream_all(server.grpc_url, "a3b_llm", [
                                     {"input_ids": np.asarray(x, dtype=np.int32), "stream": True,
-                                     "sampling_parameters": json.dumps(sampling())} for x in ids])
+                                     "sampling_parameters": json.dumps(sampling())} for x in ids],
+                                    timeout_s=300, output="token_ids"))
                             else:
-                                records = served_round(server.grpc_url, "ensemble", [
+                                extra = {"stream_interval": STREAM_INTERVAL} if variant.startswith("d") else {}
+                                records = loop.run_until_complete(loadgen.stream_all(server.grpc_url, "ensemble", [
                                     {"text_input": tokenizer.decode(x), "stream": True,
-                                     "sampling_parameters": json.dumps(sampling())} for x in ids])
-                            results.setdefault((variant, c), []).append(latencies(records))
+                                     "sampling_parameters": json.dumps(sampling(**extra))} for x in ids],
+                                    timeout_s=300))
+                            results.setdefault((variant, c), []).append(
+                                Round(*latencies(records), responses=sum(len(r.response_ns) for r in records),
+                                      requests=len(records), process_cpu_s=time.process_time() - cpu_before))
                             bar.update()
                             # Two engines share the cores: the one that just ran keeps its
                             # OpenMP threads spinning for a while and would slow the next
@@ -182,17 +184,26 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for (variant, c), rounds in results.items():
         base = results[(VARIANTS[0], c)]
-        ttft = paired_percent([statistics.median(r[0]) for r in rounds], [statistics.median(b[0]) for b in base])
-        itl = paired_percent([statistics.median(r[1]) for r in rounds], [statistics.median(b[1]) for b in base])
+        ttft = paired_percent([statistics.median(r.ttft_ms) for r in rounds],
+                              [statistics.median(b.ttft_ms) for b in base])
+        itl = paired_percent([statistics.median(r.itl_ms) for r in rounds], [statistics.median(b.itl_ms) for b in base])
+        responses = sum(r.responses for r in rounds)
+        served = not variant.startswith("a")
         rows.append(dict(variant=variant, concurrency=c, rounds=len(rounds),
-                         ttft_ms=statistics.median(x for r in rounds for x in r[0]),
-                         itl_ms=statistics.median(x for r in rounds for x in r[1]),
+                         ttft_ms=statistics.median(x for r in rounds for x in r.ttft_ms),
+                         itl_ms=statistics.median(x for r in rounds for x in r.itl_ms),
+                         responses_per_request=responses / sum(r.requests for r in rounds),
+                         client_cpu_ms_per_response=(1000 * sum(r.process_cpu_s for r in rounds) / responses
+                                                     if served else None),
                          ttft_vs_a_percent=ttft, itl_vs_a_percent=itl))
-    header = ("| variant | concurrency | TTFT median ms | ITL median ms | TTFT vs a, % (mean [95% interval]) | "
-              "ITL vs a, % (mean [95% interval]) |\n|---|---|---|---|---|---|\n")
+    header = ("| variant | concurrency | TTFT median ms | ITL median ms | responses per request | "
+              "client CPU ms per response | TTFT vs a, % (mean [95% interval]) | "
+              "ITL vs a, % (mean [95% interval]) |\n|---|---|---|---|---|---|---|---|\n")
     table = header + "".join(
         f"| {r['variant']} | {r['concurrency']} | {r['ttft_ms']:.1f} | {r['itl_ms']:.2f} | "
-        f"{interval_text(r['ttft_vs_a_percent'])} | {interval_text(r['itl_vs_a_percent'])} |\n" for r in rows)
+        f"{r['responses_per_request']:.1f} | "
+        + (f"{r['client_cpu_ms_per_response']:.2f}" if r["client_cpu_ms_per_response"] is not None else "-")
+        + f" | {interval_text(r['ttft_vs_a_percent'])} | {interval_text(r['itl_vs_a_percent'])} |\n" for r in rows)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     plot(rows, args.out / "overhead.png")
@@ -203,7 +214,11 @@ def main(argv: list[str] | None = None) -> None:
         f"Command: `make bench-overhead`. {args.rounds} interleaved rounds per concurrency, "
         f"{PROMPT_TOKENS}-token prompts (each its own), {OUTPUT_TOKENS} greedy output tokens. "
         "Per round: the variant's median over a's median, as a change in %; mean over rounds with a 95% "
-        "bootstrap interval.\n"
+        "bootstrap interval. Inter-token latency: (last response - first) / (tokens - 1) per request, so a "
+        "response that carries several tokens does not shorten it. b and c are streamed over one asyncio gRPC "
+        "channel of this process (loadgen.stream_all); client CPU is this process's CPU during the round per "
+        f"response. a3b_llm paces each stream's responses at {profile.stream_responses_per_s:g} responses/s "
+        "over all streams (a3b_backend/pacing.py).\n"
         "Goals: the ensemble's interval ends at most +3% inter-token latency at concurrency 8 and 32, "
         "and at most +5% TTFT.\n\n"
         f"{table}\n![overhead](overhead.png)\n")

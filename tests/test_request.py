@@ -58,6 +58,8 @@ def test_logprob_flags_ask_engine_for_logprobs():
     ({"text_input": s("a"), "sampling_parameters": s("[1]")}, "must be a JSON object"),
     ({"text_input": s("a"), "sampling_parameters": s('{"temprature": 1}')}, "unknown sampling parameter 'temprature'"),
     ({"text_input": s("a"), "sampling_parameters": s('{"temperature": -1}')}, "'temperature' = -1 is out of range"),
+    ({"text_input": s("a"), "sampling_parameters": s('{"stream_interval": 0}')},
+     "'stream_interval' = 0 is out of range: allowed is an integer >= 1"),
     ({"text_input": s("a"), "sampling_parameters": s('{"top_p": 1.5}')}, "allowed is a number in (0, 1]"),
     ({"text_input": s("a"), "sampling_parameters": s('{"max_tokens": -3}')}, "'max_tokens' = -3"),
     ({"text_input": s("a"), "sampling_parameters": s('{"max_tokens": "lots"}')}, "not an integer"),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 
 import numpy as np
 import pytest
@@ -29,6 +30,23 @@ def test_stream_concatenation_equals_non_streamed_text(server):
     assert "".join(texts(streamed)) == texts(whole)[0]
     assert all(CAPITAL not in piece for piece in texts(streamed))
 
+
+
+def test_stream_interval_sends_fewer_pieces_of_the_same_text(server):
+    every_token, error = stream_infer(server.grpc_url, "ensemble", text_request(CAPITAL, True, GREEDY,
+                                                                               return_num_output_tokens=True))
+    assert error is None
+    by_four, error = stream_infer(server.grpc_url, "ensemble",
+                                  text_request(CAPITAL, True, {**GREEDY, "stream_interval": 4},
+                                               return_num_output_tokens=True))
+    assert error is None
+    assert "".join(texts(by_four)) == "".join(texts(every_token))
+    counts = [int(r["num_output_tokens"].reshape(-1)[0]) for r in by_four]
+    total = sum(int(r["num_output_tokens"].reshape(-1)[0]) for r in every_token)
+    # the first token at once, then four per response (the remainder with the
+    # last; a final response of its own may follow)
+    assert counts[0] == 1 and sum(counts) == total
+    assert len(by_four) <= 2 + math.ceil((total - 1) / 4) < len(every_token)
 
 def test_non_streamed_output_repeats_prompt_unless_excluded(server):
     whole, error = stream_infer(server.grpc_url, "ensemble",

@@ -6,6 +6,7 @@ is counted, the worker backs off like a well-behaved client, then goes on.
 """
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
@@ -44,6 +45,54 @@ def infer_inputs(values: dict[str, Any]) -> list:
     return inputs
 
 
+def output_text(result: Any, output: str) -> str:
+    """One response's `output` as text (numeric outputs as their values); "" when absent."""
+    if not any(o.name == output for o in result.get_response().outputs):
+        return ""
+    values = result.as_numpy(output).reshape(-1)
+    if values.dtype == np.object_:
+        return b"".join(values).decode("utf-8")
+    return " ".join(map(str, values.tolist()))
+
+
+def is_final(result: Any) -> bool:
+    return result.get_response().parameters["triton_final_response"].bool_param
+
+
+async def stream_all(url: str, model: str, requests: list[dict[str, Any]], timeout_s: float,
+                     output: str = "text_output") -> list[RequestRecord]:
+    """All `requests` at once, each on its own stream of one asyncio gRPC
+    channel. A response is only timestamped on arrival and read once its
+    request ended, so the client's CPU stays small beside a server that shares
+    the machine's cores."""
+    import tritonclient.grpc.aio as aioclient
+
+    client = aioclient.InferenceServerClient(url)
+
+    async def one(values: dict[str, Any]) -> RequestRecord:
+        async def request():
+            yield {"model_name": model, "inputs": infer_inputs(values), "enable_empty_final_response": True}
+
+        record = RequestRecord(time.perf_counter_ns(), [], [])
+        arrived = []
+        async for result, error in client.stream_infer(request(), stream_timeout=timeout_s):
+            stamp = time.perf_counter_ns()
+            if error is not None:
+                record.error = str(error)
+                break
+            arrived.append((stamp, result))
+            if is_final(result):
+                break
+        for stamp, result in arrived:
+            record.add(stamp, output_text(result, output))
+        return record
+
+    try:
+        return list(await asyncio.gather(*(one(values) for values in requests)))
+    finally:
+        await client.close()
+
+
 class StreamClient:
     """One gRPC stream, one request at a time, every response timestamped on arrival."""
 
@@ -70,17 +119,8 @@ class StreamClient:
             if error is not None:
                 record.error = str(error)
                 return record
-            response = result.get_response()
-            if any(o.name == output for o in response.outputs):
-                values = result.as_numpy(output).reshape(-1)
-                if values.dtype == np.object_:
-                    text = b"".join(values).decode("utf-8")
-                else:
-                    text = " ".join(map(str, values.tolist()))
-                if text:
-                    record.response_ns.append(stamp)
-                    record.texts.append(text)
-            if response.parameters["triton_final_response"].bool_param:
+            record.add(stamp, output_text(result, output))
+            if is_final(result):
                 return record
 
     def close(self) -> None:

@@ -32,6 +32,12 @@ class RequestRecord:
     texts: list[str]
     error: str | None = None
 
+    def add(self, stamp_ns: int, text: str) -> None:
+        """A response that arrived at `stamp_ns`; one that carried no text is not counted."""
+        if text:
+            self.response_ns.append(stamp_ns)
+            self.texts.append(text)
+
 
 @dataclasses.dataclass
 class LoadLevel:
