@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{PROMPT_TOKENS}-token prompts (each its own), {OUTPUT_TOKENS} greedy output tokens. "
         "Per round: the variant's median over a's median, as a change in %; mean over rounds with a 95% "
         "bootstrap interval. Inter-token latency: (last response - first) / (tokens - 1) per request, so a "
-        "response that carries several tokens does not shorten it. b and c are streamed over one asyncio gRPC "
+        "response that carries several tokens does not shorten it. b, c and d are streamed over one asyncio gRPC "
         "channel of this process (loadgen.stream_all); client CPU is this process's CPU during the round per "
         f"response. a3b_llm paces each stream's responses at {profile.stream_responses_per_s:g} responses/s "
         "over all streams (a3b_backend/pacing.py).\n"
