@@ -195,7 +195,9 @@ def main(argv: list[str] | None = None) -> None:
                          responses_per_request=responses / sum(r.requests for r in rounds),
                          client_cpu_ms_per_response=(1000 * sum(r.process_cpu_s for r in rounds) / responses
                                                      if served else None),
-                         ttft_vs_a_percent=ttft, itl_vs_a_percent=itl))
+                         ttft_vs_a_percent=ttft, itl_vs_a_percent=itl,
+                         round_ttft_ms=[statistics.median(r.ttft_ms) for r in rounds],
+                         round_itl_ms=[statistics.median(r.itl_ms) for r in rounds]))
     header = ("| variant | concurrency | TTFT median ms | ITL median ms | responses per request | "
               "client CPU ms per response | TTFT vs a, % (mean [95% interval]) | "
               "ITL vs a, % (mean [95% interval]) |\n|---|---|---|---|---|---|---|---|\n")
