@@ -5,7 +5,8 @@ for STREAM_INTERVAL tokens per response, interleaved a b c d a b c d ...
 
     make bench-overhead       # starts its own server; table + PNG under perf/results/overhead/
 
-Variants run 2 s apart (the idle engine's OpenMP threads stop spinning).
+Variants run 2 s apart (the idle engine's OpenMP threads stop spinning),
+after warm-up rounds that are not measured.
 Every request has its own 128-token prompt (so no variant reuses another's
 prefix cache) and generates exactly OUTPUT_TOKENS greedy tokens. Per round,
 C requests start together (C = 1, 8 and 32). Reported: median TTFT and
@@ -43,6 +44,11 @@ PROMPT_TOKENS = 128
 STREAM_INTERVAL = 4
 VARIANTS = ("a: AsyncLLM", "b: a3b_llm", "c: ensemble", f"d: ensemble, stream_interval {STREAM_INTERVAL}")
 SETTLE_S = 2.0
+# Served rounds ran about 15% slower than bare vLLM for their first 6 rounds
+# at concurrency 8 and within a few % after (each round's medians in
+# overhead.json of `perf/overhead.py --rounds 12 --concurrency 8 32
+# --warmup-rounds 0`), so every variant warms up first.
+WARMUP_CONCURRENCY = 8
 
 
 def sampling(**extra) -> dict:
@@ -130,13 +136,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds per concurrency")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--warmup-rounds", type=int, default=6,
+                        help=f"interleaved rounds at concurrency {WARMUP_CONCURRENCY} first, not measured")
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "overhead")
     args = parser.parse_args(argv)
     profile = get_profile()
     os.environ.update(profile.engine_env())  # the served engine's settings (a3b_llm sets the same)
     tokenizer = perf_inputs.tokenizer_for(profile, ROOT)
     corpus = perf_inputs.Corpus(tokenizer)
-    needed = sum(c * args.rounds * len(VARIANTS) for c in args.concurrency)
+    schedule = [(WARMUP_CONCURRENCY, False)] * args.warmup_rounds
+    schedule += [(c, True) for c in args.concurrency for _ in range(args.rounds)]
+    needed = sum(c for c, _ in schedule) * len(VARIANTS)
     stride = len(corpus.ids) // needed
     prompts = iter([tokenizer.encode(corpus.text_of_length(PROMPT_TOKENS, start=i * stride)) for i in range(needed)])
 
@@ -147,35 +157,37 @@ def main(argv: list[str] | None = None) -> None:
         try:
             print("starting AsyncLLM in this process ...", flush=True)
             engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**profile.engine_args(ROOT)))
+
+            def run(variant: str, ids: list[list[int]]) -> Round:
+                cpu_before = time.process_time()
+                if variant.startswith("a"):
+                    records = loop.run_until_complete(direct_round(engine, ids))
+                elif variant.startswith("b"):
+                    records = loop.run_until_complete(loadgen.stream_all(server.grpc_url, "a3b_llm", [
+                        {"input_ids": np.asarray(x, dtype=np.int32), "stream": True,
+                         "sampling_parameters": json.dumps(sampling())} for x in ids],
+                        timeout_s=300, output="token_ids"))
+                else:
+                    extra = {"stream_interval": STREAM_INTERVAL} if variant.startswith("d") else {}
+                    records = loop.run_until_complete(loadgen.stream_all(server.grpc_url, "ensemble", [
+                        {"text_input": tokenizer.decode(x), "stream": True,
+                         "sampling_parameters": json.dumps(sampling(**extra))} for x in ids], timeout_s=300))
+                return Round(*latencies(records), responses=sum(len(r.response_ns) for r in records),
+                             requests=len(records), process_cpu_s=time.process_time() - cpu_before)
+
             results: dict[tuple[str, int], list[Round]] = {}
-            total = len(args.concurrency) * args.rounds * len(VARIANTS)
-            with tqdm(total=total, desc="interleaved rounds", unit="run") as bar:
-                for c in args.concurrency:
-                    for _ in range(args.rounds):
-                        for variant in VARIANTS:
-                            ids = [next(prompts) for _ in range(c)]
-                            cpu_before = time.process_time()
-                            if variant.startswith("a"):
-                                records = loop.run_until_complete(direct_round(engine, ids))
-                            elif variant.startswith("b"):
-                                records = loop.run_until_complete(loadgen.stream_all(server.grpc_url, "a3b_llm", [
-                                    {"input_ids": np.asarray(x, dtype=np.int32), "stream": True,
-                                     "sampling_parameters": json.dumps(sampling())} for x in ids],
-                                    timeout_s=300, output="token_ids"))
-                            else:
-                                extra = {"stream_interval": STREAM_INTERVAL} if variant.startswith("d") else {}
-                                records = loop.run_until_complete(loadgen.stream_all(server.grpc_url, "ensemble", [
-                                    {"text_input": tokenizer.decode(x), "stream": True,
-                                     "sampling_parameters": json.dumps(sampling(**extra))} for x in ids],
-                                    timeout_s=300))
-                            results.setdefault((variant, c), []).append(
-                                Round(*latencies(records), responses=sum(len(r.response_ns) for r in records),
-                                      requests=len(records), process_cpu_s=time.process_time() - cpu_before))
-                            bar.update()
-                            # Two engines share the cores: the one that just ran keeps its
-                            # OpenMP threads spinning for a while and would slow the next
-                            # variant's prefill (seen: TTFT 2x for whichever engine ran second).
-                            time.sleep(SETTLE_S)
+            with tqdm(total=len(schedule) * len(VARIANTS), desc="interleaved rounds (warm-up first)",
+                      unit="run") as bar:
+                for c, measured in schedule:
+                    for variant in VARIANTS:
+                        measured_round = run(variant, [next(prompts) for _ in range(c)])
+                        if measured:
+                            results.setdefault((variant, c), []).append(measured_round)
+                        bar.update()
+                        # Two engines share the cores: the one that just ran keeps its
+                        # OpenMP threads spinning for a while and would slow the next
+                        # variant's prefill (seen: TTFT 2x for whichever engine ran second).
+                        time.sleep(SETTLE_S)
             engine.shutdown()
         finally:
             loop.close()
@@ -213,7 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "overhead.md").write_text(
         f"# Serving overhead: bare AsyncLLM vs a3b_llm vs ensemble (profile {profile.name})\n\n"
         f"Machine: {perf_report.machine()}. "
-        f"Command: `make bench-overhead`. {args.rounds} interleaved rounds per concurrency, "
+        f"Command: `make bench-overhead`. {args.warmup_rounds} warm-up rounds at concurrency "
+        f"{WARMUP_CONCURRENCY} (not measured), then {args.rounds} interleaved rounds per concurrency, "
         f"{PROMPT_TOKENS}-token prompts (each its own), {OUTPUT_TOKENS} greedy output tokens. "
         "Per round: the variant's median over a's median, as a change in %; mean over rounds with a 95% "
         "bootstrap interval. Inter-token latency: (last response - first) / (tokens - 1) per request, so a "
