@@ -180,9 +180,9 @@ def main(argv: list[str] | None = None) -> None:
                       unit="run") as bar:
                 for c, measured in schedule:
                     for variant in VARIANTS:
-                        measured_round = run(variant, [next(prompts) for _ in range(c)])
+                        outcome = run(variant, [next(prompts) for _ in range(c)])
                         if measured:
-                            results.setdefault((variant, c), []).append(measured_round)
+                            results.setdefault((variant, c), []).append(outcome)
                         bar.update()
                         # Two engines share the cores: the one that just ran keeps its
                         # OpenMP threads spinning for a while and would slow the next

@@ -31,7 +31,6 @@ def test_stream_concatenation_equals_non_streamed_text(server):
     assert all(CAPITAL not in piece for piece in texts(streamed))
 
 
-
 def test_stream_interval_sends_fewer_pieces_of_the_same_text(server):
     every_token, error = stream_infer(server.grpc_url, "ensemble", text_request(CAPITAL, True, GREEDY,
                                                                                return_num_output_tokens=True))
