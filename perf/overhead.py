@@ -33,16 +33,27 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from a3b_backend import contract  # noqa: E402
 from a3b_backend.bench import loadgen, perf_inputs, perf_report, server_process  # noqa: E402
 from a3b_backend.bench.perf_report import RequestRecord  # noqa: E402
 from a3b_backend.profiles import get_profile  # noqa: E402
 
 OUTPUT_TOKENS = 32
 PROMPT_TOKENS = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    model: str | None  # the served model asked; None: vLLM's AsyncLLM in this process
+    stream_interval: int | None = None  # asked for in sampling_parameters
+
+
 # d: the same ensemble requests asking for vLLM's stream_interval, so what
 # fewer, larger responses save is read beside c in the same run.
 STREAM_INTERVAL = 4
-VARIANTS = ("a: AsyncLLM", "b: a3b_llm", "c: ensemble", f"d: ensemble, stream_interval {STREAM_INTERVAL}")
+VARIANTS = (Variant("a: AsyncLLM", None), Variant("b: a3b_llm", contract.LLM_MODEL), Variant("c: ensemble", "ensemble"),
+            Variant(f"d: ensemble, stream_interval {STREAM_INTERVAL}", "ensemble", STREAM_INTERVAL))
 SETTLE_S = 2.0
 # Served rounds ran about 15% slower than bare vLLM for their first 6 rounds
 # at concurrency 8 and within a few % after (each round's medians in
@@ -116,9 +127,9 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax, key, title in ((axes[0], "ttft_ms", "TTFT median (ms)"), (axes[1], "itl_ms", "inter-token median (ms)")):
         width = 0.8 / len(VARIANTS)
         for offset, variant in enumerate(VARIANTS):
-            picked = [r for r in rows if r["variant"] == variant]
+            picked = [r for r in rows if r["variant"] == variant.name]
             xs = [i + (offset - (len(VARIANTS) - 1) / 2) * width for i in range(len(picked))]
-            ax.bar(xs, [r[key] for r in picked], width=width, label=variant)
+            ax.bar(xs, [r[key] for r in picked], width=width, label=variant.name)
         ax.set_xticks(range(len(picked)), [f"concurrency {r['concurrency']}" for r in picked])
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
@@ -158,24 +169,23 @@ def main(argv: list[str] | None = None) -> None:
             print("starting AsyncLLM in this process ...", flush=True)
             engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**profile.engine_args(ROOT)))
 
-            def run(variant: str, ids: list[list[int]]) -> Round:
+            def run(variant: Variant, ids: list[list[int]]) -> Round:
                 cpu_before = time.process_time()
-                if variant.startswith("a"):
+                if variant.model is None:
                     records = loop.run_until_complete(direct_round(engine, ids))
-                elif variant.startswith("b"):
-                    records = loop.run_until_complete(loadgen.stream_all(server.grpc_url, "a3b_llm", [
-                        {"input_ids": np.asarray(x, dtype=np.int32), "stream": True,
-                         "sampling_parameters": json.dumps(sampling())} for x in ids],
-                        timeout_s=300, output="token_ids"))
                 else:
-                    extra = {"stream_interval": STREAM_INTERVAL} if variant.startswith("d") else {}
-                    records = loop.run_until_complete(loadgen.stream_all(server.grpc_url, "ensemble", [
-                        {"text_input": tokenizer.decode(x), "stream": True,
-                         "sampling_parameters": json.dumps(sampling(**extra))} for x in ids], timeout_s=300))
+                    extra = {"stream_interval": variant.stream_interval} if variant.stream_interval else {}
+                    common = {"stream": True, "sampling_parameters": json.dumps(sampling(**extra))}
+                    token_level = variant.model == contract.LLM_MODEL
+                    requests = [{"input_ids": np.asarray(x, dtype=np.int32), **common} if token_level
+                                else {"text_input": tokenizer.decode(x), **common} for x in ids]
+                    records = loop.run_until_complete(loadgen.stream_all(
+                        server.grpc_url, variant.model, requests, timeout_s=300,
+                        output="token_ids" if token_level else "text_output"))
                 return Round(*latencies(records), responses=sum(len(r.response_ns) for r in records),
                              requests=len(records), process_cpu_s=time.process_time() - cpu_before)
 
-            results: dict[tuple[str, int], list[Round]] = {}
+            results: dict[tuple[Variant, int], list[Round]] = {}
             with tqdm(total=len(schedule) * len(VARIANTS), desc="interleaved rounds (warm-up first)",
                       unit="run") as bar:
                 for c, measured in schedule:
@@ -200,13 +210,12 @@ def main(argv: list[str] | None = None) -> None:
                               [statistics.median(b.ttft_ms) for b in base])
         itl = paired_percent([statistics.median(r.itl_ms) for r in rounds], [statistics.median(b.itl_ms) for b in base])
         responses = sum(r.responses for r in rounds)
-        served = not variant.startswith("a")
-        rows.append(dict(variant=variant, concurrency=c, rounds=len(rounds),
+        rows.append(dict(variant=variant.name, concurrency=c, rounds=len(rounds),
                          ttft_ms=statistics.median(x for r in rounds for x in r.ttft_ms),
                          itl_ms=statistics.median(x for r in rounds for x in r.itl_ms),
                          responses_per_request=responses / sum(r.requests for r in rounds),
                          client_cpu_ms_per_response=(1000 * sum(r.process_cpu_s for r in rounds) / responses
-                                                     if served else None),
+                                                     if variant.model else None),
                          ttft_vs_a_percent=ttft, itl_vs_a_percent=itl,
                          round_ttft_ms=[statistics.median(r.ttft_ms) for r in rounds],
                          round_itl_ms=[statistics.median(r.itl_ms) for r in rounds]))
