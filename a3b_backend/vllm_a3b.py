@@ -266,7 +266,7 @@ def gpu_linear(x: torch.Tensor, weight: A3BWeight, config: A3BConfig) -> torch.T
     """float32 x @ W^T by the Triton A3B kernel, W's codes read in place."""
     from a3b_kernels.triton.a3b_matmul import a3b_matmul
 
-    return a3b_matmul(x, weight, config, block_m=16 if x.shape[0] <= 16 else 64, block_n=64)
+    return a3b_matmul(x, weight, config)
 
 
 def gpu_moe(x: torch.Tensor, w13: A3BWeight, w2: A3BWeight, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

@@ -17,7 +17,9 @@
      8192x8192;
    - A3B paged decode attention (Triton, CUDA) vs fp16 SDPA, Qwen3.6's
      attention shape (16 query heads, 2 KV heads, head_dim 256), 8K/32K/128K
-     context, batch 1.
+     context, batch 1;
+   - the Triton matmul under a sweep of launches (BLOCK_N, K splits per SM,
+     pipeline stages) at batch 1/4/16, fastest against the default.
    GB/s counts the bytes a call must read (packed codes + metadata, or the
    dense weight / cache) and is set against a device-to-device copy timed in
    the same run. The extra device memory an A3B call allocates is checked to
@@ -56,6 +58,11 @@ class Plan:
     attention: tuple[int, int, int] = (16, 2, 256)  # query heads, KV heads, head_dim (Qwen3.6's)
     block_size: int = 16
     group: int = 128
+    # the Triton matmul's launch sweep: shapes, and the values tried for each Launch field
+    sweep_shapes: tuple[tuple[int, int], ...] = ((8192, 8192), (2048, 2048))
+    sweep_block_n: tuple[int, ...] = (32, 64, 128)
+    sweep_per_sm: tuple[int, ...] = (2, 4, 8)
+    sweep_stages: tuple[int, ...] = (2, 3, 4)
 
 
 GPU = Plan("cuda", shapes=((2048, 512), (512, 2048), (2048, 2048), (8192, 8192)), batches=(1, 4, 16, 64),
@@ -64,12 +71,13 @@ GPU = Plan("cuda", shapes=((2048, 512), (512, 2048), (2048, 2048), (8192, 8192))
 # Every code path on the CPU, under Triton's interpreter at tiny sizes: `make test` runs it so the
 # first GPU session does not spend its minutes on a broken script.
 SMOKE = Plan("cpu", shapes=((64, 256),), batches=(1, 17), contexts=(64,), iters=2, rotate_bytes=1 << 16,
-             copy_bytes=1 << 20, check_hidden=256, check_lens=(5, 40), attention=(4, 2, 64), group=64)
+             copy_bytes=1 << 20, check_hidden=256, check_lens=(5, 40), attention=(4, 2, 64), group=64,
+             sweep_shapes=((64, 256),), sweep_block_n=(32,), sweep_per_sm=(2,), sweep_stages=(2,))
 
 
 @dataclasses.dataclass
 class Timing:
-    bench: str  # "linear" or "attention"
+    bench: str  # "linear", "attention" or "sweep"
     case: str  # e.g. "8192x8192 M=1" or "ctx=131072"
     variant: str
     us: float | None  # median microseconds; None when the variant cannot run
@@ -263,10 +271,8 @@ def time_linear(plan: Plan, cuda_ext: bool) -> tuple[list[Timing], list[str]]:
                     plan, lambda i: torch.ops.aten._weight_int4pack_mm(x, int4[i % len(int4)][0], 128,
                                                                        int4[i % len(int4)][1])),
                     n * k // 2 + k // 128 * n * 4 + act))
-            block_m = 16 if m <= 16 else 64
             rows.append(Timing("linear", case, "A3B Triton", time_us(
-                plan, lambda i: a3b_matmul.a3b_matmul(x, a3b[i % len(a3b)], config, block_m=block_m, block_n=64)),
-                a3b_bytes + act))
+                plan, lambda i: a3b_matmul.a3b_matmul(x, a3b[i % len(a3b)], config)), a3b_bytes + act))
             if cuda_ext and m <= 16:
                 from a3b_kernels import cuda
 
@@ -294,6 +300,34 @@ def extra_memory_note(n: int, k: int, config) -> str:
     limit = 0.01 * n * k * 2
     return (f"{n}x{k}: extra device memory during an A3B call {extra} B "
             f"({'within' if extra <= limit else 'OVER'} 1% of the bf16 weight, {limit:.0f} B)")
+
+
+def time_sweep(plan: Plan) -> list[Timing]:
+    """The Triton matmul under every launch of the plan's sweep, at decode batch
+    sizes, so the defaults (`a3b_matmul.launch_for`) can be chosen from one run."""
+    import torch
+
+    from a3b_backend.quant.format import A3BConfig
+    from a3b_kernels.triton import a3b_matmul
+
+    config = A3BConfig(1, plan.group)
+    rows = []
+    for n, k in plan.sweep_shapes:
+        nbytes = random_a3b(n, k, plan.group, plan.device).nbytes()
+        a3b = copies(plan, lambda: random_a3b(n, k, plan.group, plan.device), nbytes)
+        for m in (1, 4, 16):
+            x = torch.randn(m, k, device=plan.device).to(torch.bfloat16)
+            default = a3b_matmul.launch_for(m)
+            for block_n in plan.sweep_block_n:
+                for per_sm in plan.sweep_per_sm:
+                    for stages in plan.sweep_stages:
+                        launch = dataclasses.replace(default, block_n=block_n, per_sm=per_sm, num_stages=stages)
+                        label = f"block_m {launch.block_m} block_n {block_n} per_sm {per_sm} stages {stages}"
+                        rows.append(Timing("sweep", f"{n}x{k} M={m}", label, time_us(
+                            plan, lambda i: a3b_matmul.a3b_matmul(x, a3b[i % len(a3b)], config, launch=launch)),
+                            nbytes + m * k * 2, "default" if launch == default else ""))
+        del a3b
+    return rows
 
 
 # --------------------------------------------------------------------------- attention
@@ -361,6 +395,8 @@ def weight_shapes(rows: list[Timing]) -> list[str]:
 
 def goals(rows: list[Timing], copy_gbps: float) -> list[str]:
     """The issue's H200 goals, met or missed, from this run's figures."""
+    rows = [r for r in rows if r.bench == "linear"]
+
     def us(case, variant):
         return next((r.us for r in rows if r.case == case and r.variant == variant), None)
 
@@ -402,9 +438,25 @@ def markdown(rows: list[Timing], copy_gbps: float, device: str, checked: list, n
                 gbps = f"{r.gbps:.0f}" if r.gbps else "-"
                 share = f"{r.gbps / copy_gbps:.0%}" if r.gbps else "-"
                 lines.append(f"| {r.case} | {r.variant} | {us} | {gbps} | {share} | {r.note} |")
+    lines += sweep_lines(rows, copy_gbps)
     lines += ["", "## Goals", ""] + [f"- {g}" for g in goals(rows, copy_gbps)] + ["", "## Memory", ""]
     lines += [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def sweep_lines(rows: list[Timing], copy_gbps: float) -> list[str]:
+    """Per case of the launch sweep: the fastest launch against the default one."""
+    sweep = [r for r in rows if r.bench == "sweep" and r.us]
+    if not sweep:
+        return []
+    lines = ["", "## Triton matmul launch sweep (fastest of each case; every launch in gpu_kernels.json)", "",
+             "| case | fastest launch | us | share of copy | default launch us |", "|---|---|---|---|---|"]
+    for case in dict.fromkeys(r.case for r in sweep):
+        runs = [r for r in sweep if r.case == case]
+        best = min(runs, key=lambda r: r.us)
+        default = next((f"{r.us:.1f}" for r in runs if r.note == "default"), "-")
+        lines.append(f"| {case} | {best.variant} | {best.us:.1f} | {best.gbps / copy_gbps:.0%} | {default} |")
+    return lines
 
 
 def plot(rows: list[Timing], copy_gbps: float, path: Path) -> None:
@@ -484,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
     rows, notes = time_linear(plan, cuda_ext)
     rows += time_attention(plan, cuda_ext)
+    rows += time_sweep(plan)
     write_report(args.out, rows, copy_gbps, device, checked, notes, plan)
     print(markdown(rows, copy_gbps, device, checked, notes, plan))
     print(f"wrote {args.out}/gpu_kernels.{{md,json,png}}")

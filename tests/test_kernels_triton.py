@@ -34,17 +34,21 @@ def case(m: int, n: int, k: int, seed: int):
     return x, quantize(w, CONFIG)
 
 
-@pytest.mark.parametrize("m", [1, 16, 33])
+def kernel_weight_dtype(block_m: int) -> torch.dtype:
+    """What the Triton kernel multiplies: float32 table values for one row of x, fp16 on the tensor cores."""
+    return torch.float32 if block_m == 1 else torch.float16
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 33])
 @pytest.mark.parametrize("n, k", [(64, 256), (96, 384), (40, 200)])
 @pytest.mark.parametrize("split_k", [1, 3], ids=["stored", "split-k"])
-@pytest.mark.parametrize("dot_fp16", [False, True], ids=["fp32-dot", "fp16-dot"])
-def test_triton_a3b_matmul_matches_reference(m, n, k, split_k, dot_fp16):
+def test_triton_a3b_matmul_matches_reference(m, n, k, split_k):
     x, q = case(m, n, k, seed=torch.seed() % 2**31)
-    # the fp16 path multiplies the dequantized weight rounded to fp16: the reference does the same
-    expected = reference.a3b_matmul(x, q, CONFIG, torch.float16 if dot_fp16 else torch.float32)
+    # the reference rounds the dequantized weight as the kernel's path does
+    expected = reference.a3b_matmul(x, q, CONFIG, kernel_weight_dtype(a3b_matmul.launch_for(m).block_m))
     # poisoned: an element the kernel skips cannot pass (split-K zeroes y first and adds partial sums)
     got = torch.full_like(expected, float("nan"))
-    a3b_matmul.a3b_matmul(x, q, CONFIG, out=got, split_k=split_k, dot_fp16=dot_fp16)
+    a3b_matmul.a3b_matmul(x, q, CONFIG, out=got, split_k=split_k)
     assert not got.isnan().any()
     # both accumulate in float32 from the same bf16 inputs and table values: summation order only
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
@@ -86,9 +90,7 @@ def test_triton_grouped_moe_matches_reference(tokens, top_k):
     ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
     ids[0, -1] = -1  # another rank's expert
     weights = torch.rand(tokens, top_k, generator=g).softmax(-1)
-    prefill = tokens > a3b_matmul.DECODE_ROWS  # the kernel's fp16 tensor-core path
-    expected = reference.a3b_moe(x, w13_list, w2_list, weights, ids, CONFIG,
-                                 torch.float16 if prefill else torch.float32)
+    expected = reference.a3b_moe(x, w13_list, w2_list, weights, ids, CONFIG, kernel_weight_dtype(16))
     got = a3b_moe.a3b_moe(x, w13, w2, weights, ids, CONFIG.block_cols)
     assert not got.isnan().any()
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
@@ -102,8 +104,8 @@ def test_triton_grouped_matmul_writes_every_routed_row():
     sorted_rows, block_expert = a3b_moe.align(ids, 4, 16)
     got = torch.full((12, 64), float("nan"))
     a3b_moe.grouped_matmul(x, w, sorted_rows, block_expert, 12, 2, True, CONFIG.block_cols, out=got)
-    expected = torch.cat([reference.a3b_matmul(x[r // 2:r // 2 + 1], w_list[ids.flatten()[r]], CONFIG)
-                          for r in range(12)])
+    expected = torch.cat([reference.a3b_matmul(x[r // 2:r // 2 + 1], w_list[ids.flatten()[r]], CONFIG,
+                                               kernel_weight_dtype(16)) for r in range(12)])
     assert not got.isnan().any()
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
@@ -116,8 +118,8 @@ def test_vllm_a3b_gpu_path_runs_the_triton_kernels():
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     x, q = case(3, 96, 256, seed=torch.seed() % 2**31)
     loaded = A3BWeight.for_kernels({k: getattr(q, k) for k in KERNEL_KINDS}, 96, 256)
-    torch.testing.assert_close(vllm_a3b.gpu_linear(x, loaded, CONFIG), reference.a3b_matmul(x, q, CONFIG),
-                               rtol=1e-4, atol=1e-4)
+    expected = reference.a3b_matmul(x, q, CONFIG, kernel_weight_dtype(a3b_matmul.launch_for(3).block_m))
+    torch.testing.assert_close(vllm_a3b.gpu_linear(x, loaded, CONFIG), expected, rtol=1e-4, atol=1e-4)
     w13_list, w13 = experts(4, 128, 256, g)
     w2_list, w2 = experts(4, 256, 64, g)
     ids = torch.tensor([[0, 3], [2, -1]])

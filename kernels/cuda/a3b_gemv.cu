@@ -3,14 +3,37 @@
 // column) with per-block (1 x group) metadata (docs/a3b_format.md):
 //   w = lo + (code >> 1) * step + (code & 1 ? +d : -d)
 // One warp per output row; each lane streams 16 bytes (32 codes) at a time,
-// so the weight is read once, in place, at full width. Pure CUDA: the torch
-// binding (a3b_ops.cpp) calls a3b_gemv_launch.
+// so the weight is read once, in place, at full width, and x in 16-byte
+// vectors (8 columns). Pure CUDA: the torch binding (a3b_ops.cpp) calls
+// a3b_gemv_launch.
 #include "a3b_kernels.h"
 
 namespace {
 
 constexpr int kWarp = 32;
 constexpr int kCodesPerLoad = 32;  // one uint4 = 16 bytes = 32 codes
+
+// float of the masked bits (< 2^23) without an int-to-float conversion, a
+// quarter-rate instruction: the bits go into the mantissa of 2^23, which is
+// then subtracted, exactly.
+__device__ __forceinline__ float exact_float(uint32_t bits) {
+  return __uint_as_float(bits | 0x4B000000u) - 8388608.f;
+}
+
+// The block's table as w = a + code * b + (code & 1) * c (the format's
+// formula regrouped), applied to the four codes in the low 16 bits of `h`:
+// each code is read in place, 16^i times larger, so it costs two masks, two
+// subtractions and two multiply-adds.
+__device__ __forceinline__ void four_values(uint32_t h, float a, float b, float c, float* w) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float scale = 1.f / static_cast<float>(1u << (4 * i));
+    w[i] = a + exact_float(h & (0xFu << (4 * i))) * (b * scale) + exact_float(h & (0x1u << (4 * i))) * (c * scale);
+  }
+}
+
+__device__ __forceinline__ float bf16_low(uint32_t pair) { return __uint_as_float(pair << 16); }
+__device__ __forceinline__ float bf16_high(uint32_t pair) { return __uint_as_float(pair & 0xFFFF0000u); }
 
 template <int M>
 __global__ void a3b_gemv_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ packed,
@@ -24,33 +47,45 @@ __global__ void a3b_gemv_kernel(const __nv_bfloat16* __restrict__ x, const uint8
   const float los = __bfloat162float(lo_scale[row]);
   const float sts = __bfloat162float(step_scale[row]);
   const uint8_t* codes = packed + static_cast<size_t>(row) * ((K + 1) / 2);
+  // 16-byte vectors of codes and of x where every row starts on a 16-byte boundary
+  const bool vectors = ((reinterpret_cast<uintptr_t>(codes) | reinterpret_cast<uintptr_t>(x)) & 15) == 0 &&
+                       K % 8 == 0;
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
 
+#pragma unroll 2
   for (int k0 = lane * kCodesPerLoad; k0 < K; k0 += kWarp * kCodesPerLoad) {
     // a 32-code chunk never straddles a block: groups are multiples of 32
-    const int kb = k0 / group;
-    const float base = lo[row * n_kblocks + kb] * los;
-    const float st = step[row * n_kblocks + kb] * sts;
-    const float d = st * delta[row * n_kblocks + kb] * (1.f / 255.f);
-    uint8_t bytes[16];
-    if (k0 + kCodesPerLoad <= K && ((reinterpret_cast<uintptr_t>(codes + k0 / 2) & 15) == 0)) {
-      *reinterpret_cast<uint4*>(bytes) = *reinterpret_cast<const uint4*>(codes + k0 / 2);
+    const size_t meta = static_cast<size_t>(row) * n_kblocks + k0 / group;
+    const float st = step[meta] * sts;
+    const float d = st * delta[meta] * (1.f / 255.f);
+    const float a = lo[meta] * los - d, b = 0.5f * st, c = 2.f * d - 0.5f * st;
+    if (vectors && k0 + kCodesPerLoad <= K) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(codes + k0 / 2);
+      const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // word i: codes k0 + 8i .. k0 + 8i + 7
+        float w[8];
+        four_values(words[i], a, b, c, w);
+        four_values(words[i] >> 16, a, b, c, w + 4);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const uint4 xv = *reinterpret_cast<const uint4*>(x + static_cast<size_t>(m) * K + k0 + 8 * i);
+          acc[m] += bf16_low(xv.x) * w[0] + bf16_high(xv.x) * w[1] + bf16_low(xv.y) * w[2] +
+                    bf16_high(xv.y) * w[3] + bf16_low(xv.z) * w[4] + bf16_high(xv.z) * w[5] +
+                    bf16_low(xv.w) * w[6] + bf16_high(xv.w) * w[7];
+        }
+      }
     } else {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) bytes[i] = (k0 + 2 * i < K) ? codes[k0 / 2 + i] : 0;
-    }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int k = k0 + 2 * i;
-      const int c0 = bytes[i] & 0xF, c1 = bytes[i] >> 4;
-      const float w0 = base + (c0 >> 1) * st + ((c0 & 1) ? d : -d);
-      const float w1 = base + (c1 >> 1) * st + ((c1 & 1) ? d : -d);
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        if (k < K) acc[m] += __bfloat162float(x[m * K + k]) * w0;
-        if (k + 1 < K) acc[m] += __bfloat162float(x[m * K + k + 1]) * w1;
+      for (int i = 0; i < 16 && k0 + 2 * i < K; ++i) {
+        const int k = k0 + 2 * i;
+        float w[4];
+        four_values(codes[k0 / 2 + i], a, b, c, w);  // w[0], w[1]: this byte's two codes
+        for (int m = 0; m < M; ++m) {
+          acc[m] += __bfloat162float(x[m * K + k]) * w[0];
+          if (k + 1 < K) acc[m] += __bfloat162float(x[m * K + k + 1]) * w[1];
+        }
       }
     }
   }

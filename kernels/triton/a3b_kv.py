@@ -24,7 +24,7 @@ import triton.language as tl
 
 from a3b_kernels.kv_cache import ITERATIONS, PagedA3B, merge_splits, rotate
 from a3b_kernels.occupancy import splits_to_fill
-from a3b_kernels.triton.a3b_matmul import table_value
+from a3b_kernels.triton.a3b_matmul import nibble_values
 
 
 @triton.jit
@@ -133,7 +133,7 @@ def _dequant_half(codes_ptr, meta_ptr, rows, t_ok, GROUP: tl.constexpr, D: tl.co
     lo = tl.load(meta_ptr + meta, mask=t_ok[:, None], other=0.0).to(tl.float32)
     step = tl.load(meta_ptr + meta + 1, mask=t_ok[:, None], other=0.0).to(tl.float32)
     d = tl.load(meta_ptr + meta + 2, mask=t_ok[:, None], other=0.0).to(tl.float32)
-    return table_value(byte & 0xF, lo, step, d), table_value(byte >> 4, lo, step, d)
+    return nibble_values(byte, lo, step, d)
 
 
 @triton.jit

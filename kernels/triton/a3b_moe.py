@@ -19,14 +19,13 @@ import triton
 import triton.language as tl
 
 from a3b_backend.quant.format import A3BWeight
-from a3b_kernels.triton.a3b_matmul import DECODE_ROWS, a3b_accumulate
+from a3b_kernels.triton.a3b_matmul import a3b_accumulate, code_args
 
 
 @triton.jit
-def _a3b_moe_kernel(x_ptr, sorted_rows_ptr, block_expert_ptr, packed_ptr, lo_ptr, step_ptr, delta_ptr,
-                    lo_scale_ptr, step_scale_ptr, y_ptr, num_rows, N, K, n_kblocks, top_k,
-                    X_BY_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                    DOT_FP16: tl.constexpr):
+def _a3b_moe_kernel(x_ptr, sorted_rows_ptr, block_expert_ptr, packed_ptr, code_stride, row_bytes, lo_ptr,
+                    step_ptr, delta_ptr, lo_scale_ptr, step_scale_ptr, y_ptr, num_rows, N, K, n_kblocks, top_k,
+                    X_BY_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
@@ -37,9 +36,10 @@ def _a3b_moe_kernel(x_ptr, sorted_rows_ptr, block_expert_ptr, packed_ptr, lo_ptr
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     meta = expert * N * n_kblocks
-    acc = a3b_accumulate(x_ptr, x_rows, row_ok, packed_ptr + expert * N * ((K + 1) // 2), lo_ptr + meta,
-                         step_ptr + meta, delta_ptr + meta, lo_scale_ptr + expert * N, step_scale_ptr + expert * N,
-                         cols, col_ok, K, n_kblocks, 0, n_kblocks, BLOCK_M, BLOCK_N, GROUP, DOT_FP16)
+    acc = a3b_accumulate(x_ptr, x_rows, row_ok, packed_ptr + expert * N * code_stride, code_stride, row_bytes,
+                         lo_ptr + meta, step_ptr + meta, delta_ptr + meta, lo_scale_ptr + expert * N,
+                         step_scale_ptr + expert * N, cols, col_ok, K, n_kblocks, 0, n_kblocks, BLOCK_M, BLOCK_N,
+                         GROUP)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -71,20 +71,18 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
 
 def grouped_matmul(x: torch.Tensor, experts: A3BWeight, sorted_rows: torch.Tensor,
                    block_expert: torch.Tensor, num_rows: int, top_k: int, x_by_token: bool, group: int,
-                   block_m: int = 16, block_n: int = 32, out: torch.Tensor | None = None,
-                   dot_fp16: bool | None = None) -> torch.Tensor:
+                   block_m: int = 16, block_n: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
     """float32 y[num_rows, N] (into `out` when given): row r = x[r // top_k or r]
     @ W_{expert(r)}^T; rows of no local expert are not written (0 in a new y).
-    fp16 tensor-core dots when the batch has more tokens than a decode step
-    (as the dense kernel), unless `dot_fp16` says otherwise."""
+    block_m >= 16: fp16 tensor-core dots, as the dense kernel's."""
     N = experts.packed.shape[1]
     K = x.shape[1]
     y = torch.zeros(num_rows, N, dtype=torch.float32, device=x.device) if out is None else out
     grid = (block_expert.numel(), triton.cdiv(N, block_n))
-    _a3b_moe_kernel[grid](x.contiguous(), sorted_rows, block_expert, *experts.kernel_tensors(), y, num_rows, N,
-                          K, experts.lo.shape[2], top_k, X_BY_TOKEN=x_by_token, BLOCK_M=block_m,
-                          BLOCK_N=block_n, GROUP=group,
-                          DOT_FP16=num_rows // top_k > DECODE_ROWS if dot_fp16 is None else dot_fp16)
+    _, lo, step, delta, lo_scale, step_scale = experts.kernel_tensors()
+    _a3b_moe_kernel[grid](x.contiguous(), sorted_rows, block_expert, *code_args(experts), lo, step, delta,
+                          lo_scale, step_scale, y, num_rows, N, K, experts.lo.shape[2], top_k,
+                          X_BY_TOKEN=x_by_token, BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group)
     return y
 
 
