@@ -13,24 +13,37 @@ namespace {
 constexpr int kWarp = 32;
 constexpr int kCodesPerLoad = 32;  // one uint4 = 16 bytes = 32 codes
 
-// float of the masked bits (< 2^23) without an int-to-float conversion, a
-// quarter-rate instruction: the bits go into the mantissa of 2^23, which is
-// then subtracted, exactly.
-__device__ __forceinline__ float exact_float(uint32_t bits) {
-  return __uint_as_float(bits | 0x4B000000u) - 8388608.f;
+// The table value of the code in bits 16..19 of `shifted`, as base + code *
+// code_scale + (code & 1) * bit_scale (see table_terms): the masked bits OR-ed
+// into the bits of 1.0f make 1 + code / 128, and the 1.0s are folded into
+// base, so each term is one mask and one multiply-add (no int-to-float
+// conversion, a quarter-rate instruction), exact to 2^-17 of a step.
+__device__ __forceinline__ float code_value(uint32_t shifted, float base, float code_scale, float bit_scale) {
+  const float code = __uint_as_float((shifted & 0xF0000u) | 0x3F800000u);
+  const float bit = __uint_as_float((shifted & 0x10000u) | 0x3F800000u);
+  return fmaf(bit, bit_scale, fmaf(code, code_scale, base));
 }
 
-// The block's table as w = a + code * b + (code & 1) * c (the format's
-// formula regrouped), applied to the four codes in the low 16 bits of `h`:
-// each code is read in place, 16^i times larger, so it costs two masks, two
-// subtractions and two multiply-adds.
-__device__ __forceinline__ void four_values(uint32_t h, float a, float b, float c, float* w) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float scale = 1.f / static_cast<float>(1u << (4 * i));
-    w[i] = a + exact_float(h & (0xFu << (4 * i))) * (b * scale) + exact_float(h & (0x1u << (4 * i))) * (c * scale);
+// lo + (code >> 1) * step + (2 * (code & 1) - 1) * d is a + code * b + (code & 1) * c
+// with a = lo - d, b = step / 2, c = 2 d - step / 2; code_value's terms for them.
+struct TableTerms {
+  float base, code_scale, bit_scale;
+  __device__ __forceinline__ TableTerms(float lo, float step, float d)
+      : code_scale(64.f * step), bit_scale(256.f * d - 64.f * step) {
+    base = lo - d - code_scale - bit_scale;
   }
-}
+  // the 8 codes of a word, code j in bits 4j..4j+3
+  __device__ __forceinline__ void word(uint32_t w, float* out) const {
+    out[0] = code_value(w << 16, base, code_scale, bit_scale);
+    out[1] = code_value(w << 12, base, code_scale, bit_scale);
+    out[2] = code_value(w << 8, base, code_scale, bit_scale);
+    out[3] = code_value(w << 4, base, code_scale, bit_scale);
+    out[4] = code_value(w, base, code_scale, bit_scale);
+    out[5] = code_value(w >> 4, base, code_scale, bit_scale);
+    out[6] = code_value(w >> 8, base, code_scale, bit_scale);
+    out[7] = code_value(w >> 12, base, code_scale, bit_scale);
+  }
+};
 
 __device__ __forceinline__ float bf16_low(uint32_t pair) { return __uint_as_float(pair << 16); }
 __device__ __forceinline__ float bf16_high(uint32_t pair) { return __uint_as_float(pair & 0xFFFF0000u); }
@@ -59,16 +72,14 @@ __global__ void a3b_gemv_kernel(const __nv_bfloat16* __restrict__ x, const uint8
     // a 32-code chunk never straddles a block: groups are multiples of 32
     const size_t meta = static_cast<size_t>(row) * n_kblocks + k0 / group;
     const float st = step[meta] * sts;
-    const float d = st * delta[meta] * (1.f / 255.f);
-    const float a = lo[meta] * los - d, b = 0.5f * st, c = 2.f * d - 0.5f * st;
+    const TableTerms table(lo[meta] * los, st, st * delta[meta] * (1.f / 255.f));
     if (vectors && k0 + kCodesPerLoad <= K) {
       const uint4 raw = *reinterpret_cast<const uint4*>(codes + k0 / 2);
       const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {  // word i: codes k0 + 8i .. k0 + 8i + 7
         float w[8];
-        four_values(words[i], a, b, c, w);
-        four_values(words[i] >> 16, a, b, c, w + 4);
+        table.word(words[i], w);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
           const uint4 xv = *reinterpret_cast<const uint4*>(x + static_cast<size_t>(m) * K + k0 + 8 * i);
@@ -80,8 +91,8 @@ __global__ void a3b_gemv_kernel(const __nv_bfloat16* __restrict__ x, const uint8
     } else {
       for (int i = 0; i < 16 && k0 + 2 * i < K; ++i) {
         const int k = k0 + 2 * i;
-        float w[4];
-        four_values(codes[k0 / 2 + i], a, b, c, w);  // w[0], w[1]: this byte's two codes
+        float w[8];
+        table.word(codes[k0 / 2 + i], w);  // w[0], w[1]: this byte's two codes
         for (int m = 0; m < M; ++m) {
           acc[m] += __bfloat162float(x[m * K + k]) * w[0];
           if (k + 1 < K) acc[m] += __bfloat162float(x[m * K + k + 1]) * w[1];

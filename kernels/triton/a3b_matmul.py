@@ -2,16 +2,16 @@
 W read as packed 4-bit codes (two per byte, low nibble = even column) and
 per-block (1 x BLOCK_COLS) metadata, dequantized in registers:
 w = lo + (code >> 1) * step + (code & 1 ? +d : -d), the 16-entry table of
-docs/a3b_format.md computed rather than gathered (`nibble_values`).
+docs/a3b_format.md computed rather than gathered (`word_values`).
 
-Even and odd columns are handled as two half-width tiles (one per nibble), so
-the codes are never interleaved in registers: acc += x_even @ w_even^T +
-x_odd @ w_odd^T. One row of x (BLOCK_M = 1, a decode step of one sequence)
-multiplies the float32 table values on the CUDA cores and reduces once at the
-end; more rows go through fp16 tensor-core dots (BLOCK_M >= 16, x clamped to
-fp16's range) with fp32 accumulation. Both read the codes and x in 16-byte
-vectors: row strides are passed as arguments so Triton sees that they divide
-by 16.
+The codes are read as 32-bit words of 8 and each code position j of a word is
+its own tile (columns 8i + j), so the codes are never interleaved in
+registers: acc += sum_j x_j @ w_j^T. One row of x (BLOCK_M = 1, a decode step
+of one sequence) multiplies the float32 table values on the CUDA cores and
+reduces once at the end; more rows go through fp16 tensor-core dots (BLOCK_M
+>= 16, x clamped to fp16's range) with fp32 accumulation. Both read the codes
+and x in 16-byte vectors: row strides are passed as arguments so Triton sees
+that they divide by 16.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from a3b_kernels.occupancy import splits_to_fill
 
 DECODE_ROWS = 16  # up to this many rows a call is bound by reading the weight
 FP16_MAX = tl.constexpr(65504.0)
-FLOAT_2_23 = tl.constexpr(0x4B000000)  # the bits of float32 2**23: its mantissa's last bit is worth 1
+FLOAT_ONE = tl.constexpr(0x3F800000)  # the bits of float32 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,42 +49,74 @@ def launch_for(m: int) -> Launch:
 
 
 @triton.jit
-def exact_float(bits):
-    """float32 of int32 values in [0, 2**23) without an int-to-float conversion
-    (a quarter-rate instruction): the bits go into the mantissa of 2**23, then
-    2**23 is subtracted, exactly."""
-    return (bits | FLOAT_2_23).to(tl.float32, bitcast=True) - 8388608.0
+def code_value(shifted, base, code_scale, bit_scale):
+    """The table value of the code in bits 16..19 of `shifted`, as a + code * b
+    + (code & 1) * c (see `table_terms`): the masked bits OR-ed into the bits of
+    1.0 make 1 + code / 128, so with the scales multiplied by 128 and their 1.0s
+    folded into `base` each term is one mask and one multiply-add (no
+    int-to-float conversion, a quarter-rate instruction), exact to 2**-17 of a
+    step. Every code at the same bit: two masks for the compiler to keep in
+    registers."""
+    code = ((shifted & 0xF0000) | FLOAT_ONE).to(tl.float32, bitcast=True)
+    bit = ((shifted & 0x10000) | FLOAT_ONE).to(tl.float32, bitcast=True)
+    return base + code * code_scale + bit * bit_scale
+
+
+@triton.jit
+def table_terms(lo, step, d):
+    """lo + (code >> 1) * step + (2 * (code & 1) - 1) * d is a + code * b +
+    (code & 1) * c with a = lo - d, b = step / 2, c = 2 d - step / 2: returns
+    `code_value`'s (base, code_scale, bit_scale)."""
+    b = step * 64.0
+    c = 256.0 * d - b
+    return lo - d - b - c, b, c
 
 
 @triton.jit
 def nibble_values(byte, lo, step, d):
-    """Table values of both nibbles of int32 `byte`s: (low = even column, high
-    = odd column). lo + (code >> 1) * step + (2 * (code & 1) - 1) * d is
-    (lo - d) + code * step / 2 + (code & 1) * (2 d - step / 2); the high
-    nibble is read in place, 16 times larger, so each value costs two masks,
-    two subtractions and two multiply-adds."""
-    a = lo - d
-    b = step * 0.5
-    c = 2.0 * d - b
-    even = a + exact_float(byte & 0xF) * b + exact_float(byte & 0x1) * c
-    odd = a + exact_float(byte & 0xF0) * (b * 0.0625) + exact_float(byte & 0x10) * (c * 0.0625)
-    return even, odd
+    """Table values of both nibbles of int32 `byte`s: (low = even column, high = odd column)."""
+    base, b, c = table_terms(lo, step, d)
+    return code_value(byte << 16, base, b, c), code_value(byte << 12, base, b, c)
 
 
 @triton.jit
-def a3b_accumulate(x_ptr, x_rows, row_ok, packed_ptr, code_stride, row_bytes, lo_ptr, step_ptr, delta_ptr,
+def word_values(word, lo, step, d):
+    """Table values of the 8 codes of uint32 `word`s (code j in bits 4j..4j+3,
+    column 8i + j of word i), as 8 tiles in column order."""
+    base, b, c = table_terms(lo, step, d)
+    return (code_value(word << 16, base, b, c), code_value(word << 12, base, b, c),
+            code_value(word << 8, base, b, c), code_value(word << 4, base, b, c),
+            code_value(word, base, b, c), code_value(word >> 4, base, b, c),
+            code_value(word >> 8, base, b, c), code_value(word >> 12, base, b, c))
+
+
+@triton.jit
+def split8(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """[ROWS, COLS] -> 8 tiles [ROWS, COLS / 8], tile j holding columns 8i + j."""
+    x0246, x1357 = tl.split(tl.reshape(x, (ROWS, COLS // 8, 2, 2, 2)))
+    x04, x26 = tl.split(x0246)
+    x15, x37 = tl.split(x1357)
+    x0, x4 = tl.split(x04)
+    x2, x6 = tl.split(x26)
+    x1, x5 = tl.split(x15)
+    x3, x7 = tl.split(x37)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def a3b_accumulate(x_ptr, x_rows, row_ok, words_ptr, word_stride, row_words, lo_ptr, step_ptr, delta_ptr,
                    lo_scale_ptr, step_scale_ptr, cols, col_ok, K, n_kblocks, kb_start, kb_end,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     """float32 [BLOCK_M, BLOCK_N] = x[x_rows, :] @ W[cols, :]^T over K blocks
-    kb_start..kb_end-1 (x rows K apart, W rows code_stride bytes apart, the
-    first row_bytes of each holding codes). The pointers are one weight's (an
-    expert's) tensors."""
-    half = tl.arange(0, GROUP // 2)
+    kb_start..kb_end-1 (x rows K apart; W's codes as uint32 words, rows
+    word_stride apart, the first row_words of each holding codes). The
+    pointers are one weight's (an expert's) tensors."""
+    w_at = tl.arange(0, GROUP // 8)
     k = tl.arange(0, GROUP)
     lo_scale = tl.load(lo_scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     step_scale = tl.load(step_scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     if BLOCK_M == 1:
-        partial = tl.zeros((BLOCK_N, GROUP // 2), dtype=tl.float32)
+        partial = tl.zeros((BLOCK_N, GROUP // 8), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(kb_start, kb_end):
@@ -92,28 +124,28 @@ def a3b_accumulate(x_ptr, x_rows, row_ok, packed_ptr, code_stride, row_bytes, lo
         lo = tl.load(lo_ptr + meta, mask=col_ok, other=0).to(tl.float32) * lo_scale
         step = tl.load(step_ptr + meta, mask=col_ok, other=0).to(tl.float32) * step_scale
         d = step * tl.load(delta_ptr + meta, mask=col_ok, other=0).to(tl.float32) / 255.0
-        byte_at = kb * (GROUP // 2) + half
-        byte = tl.load(packed_ptr + cols[:, None] * code_stride + byte_at[None, :],
-                       mask=col_ok[:, None] & (byte_at < row_bytes)[None, :], other=0).to(tl.int32)
-        w_even, w_odd = nibble_values(byte, lo[:, None], step[:, None], d[:, None])
+        word_at = kb * (GROUP // 8) + w_at
+        word = tl.load(words_ptr + cols[:, None] * word_stride + word_at[None, :],
+                       mask=col_ok[:, None] & (word_at < row_words)[None, :], other=0).to(tl.uint32, bitcast=True)
+        w = word_values(word, lo[:, None], step[:, None], d[:, None])
         k_at = kb * GROUP + k
         x = tl.load(x_ptr + x_rows[:, None] * K + k_at[None, :], mask=row_ok[:, None] & (k_at < K)[None, :],
                     other=0.0).to(tl.float32)
         if BLOCK_M == 1:
-            x_even, x_odd = tl.split(tl.reshape(x, (1, GROUP // 2, 2)))
-            partial += w_even * x_even + w_odd * x_odd
+            xs = split8(x, 1, GROUP)
+            partial += (w[0] * xs[0] + w[1] * xs[1] + w[2] * xs[2] + w[3] * xs[3] + w[4] * xs[4] + w[5] * xs[5]
+                        + w[6] * xs[6] + w[7] * xs[7])
         else:
-            x = tl.clamp(x, -FP16_MAX, FP16_MAX).to(tl.float16)
-            x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, GROUP // 2, 2)))
-            acc += tl.dot(x_even, tl.trans(w_even.to(tl.float16)))
-            acc += tl.dot(x_odd, tl.trans(w_odd.to(tl.float16)))
+            xs = split8(tl.clamp(x, -FP16_MAX, FP16_MAX).to(tl.float16), BLOCK_M, GROUP)
+            for j in tl.static_range(8):
+                acc += tl.dot(xs[j], tl.trans(w[j].to(tl.float16)))
     if BLOCK_M == 1:
         acc = tl.sum(partial, axis=1)[None, :]
     return acc
 
 
 @triton.jit
-def _a3b_matmul_kernel(x_ptr, packed_ptr, code_stride, row_bytes, lo_ptr, step_ptr, delta_ptr, lo_scale_ptr,
+def _a3b_matmul_kernel(x_ptr, words_ptr, word_stride, row_words, lo_ptr, step_ptr, delta_ptr, lo_scale_ptr,
                        step_scale_ptr, y_ptr, M, N, K, n_kblocks,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, SPLIT_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -123,7 +155,7 @@ def _a3b_matmul_kernel(x_ptr, packed_ptr, code_stride, row_bytes, lo_ptr, step_p
     per_split = tl.cdiv(n_kblocks, SPLIT_K)
     kb_start = tl.program_id(2) * per_split
     kb_end = tl.minimum(kb_start + per_split, n_kblocks)
-    acc = a3b_accumulate(x_ptr, rows, row_ok, packed_ptr, code_stride, row_bytes, lo_ptr, step_ptr, delta_ptr,
+    acc = a3b_accumulate(x_ptr, rows, row_ok, words_ptr, word_stride, row_words, lo_ptr, step_ptr, delta_ptr,
                          lo_scale_ptr, step_scale_ptr, cols, col_ok, K, n_kblocks, kb_start, kb_end, BLOCK_M,
                          BLOCK_N, GROUP)
     mask = row_ok[:, None] & col_ok[None, :]
@@ -134,8 +166,13 @@ def _a3b_matmul_kernel(x_ptr, packed_ptr, code_stride, row_bytes, lo_ptr, step_p
 
 
 def code_args(q: A3BWeight) -> tuple:
-    """The codes as the kernels take them: packed, its row stride and the bytes of codes per row."""
-    return q.packed, q.packed.stride(-2), q.packed.shape[-1]
+    """The codes as the kernels take them: 32-bit words (8 codes each), their
+    row stride and the words of codes per row."""
+    if q.packed.shape[-1] % 4:
+        raise ValueError(f"the Triton A3B kernels read codes as 32-bit words: in_features must be a multiple of 8, "
+                         f"not {2 * q.packed.shape[-1]}")
+    words = q.packed.view(torch.int32)
+    return words, words.stride(-2), words.shape[-1]
 
 
 def a3b_matmul(x: torch.Tensor, q: A3BWeight, config: A3BConfig, out: torch.Tensor | None = None,

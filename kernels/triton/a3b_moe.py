@@ -23,7 +23,7 @@ from a3b_kernels.triton.a3b_matmul import a3b_accumulate, code_args
 
 
 @triton.jit
-def _a3b_moe_kernel(x_ptr, sorted_rows_ptr, block_expert_ptr, packed_ptr, code_stride, row_bytes, lo_ptr,
+def _a3b_moe_kernel(x_ptr, sorted_rows_ptr, block_expert_ptr, words_ptr, word_stride, row_words, lo_ptr,
                     step_ptr, delta_ptr, lo_scale_ptr, step_scale_ptr, y_ptr, num_rows, N, K, n_kblocks, top_k,
                     X_BY_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -36,7 +36,7 @@ def _a3b_moe_kernel(x_ptr, sorted_rows_ptr, block_expert_ptr, packed_ptr, code_s
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     meta = expert * N * n_kblocks
-    acc = a3b_accumulate(x_ptr, x_rows, row_ok, packed_ptr + expert * N * code_stride, code_stride, row_bytes,
+    acc = a3b_accumulate(x_ptr, x_rows, row_ok, words_ptr + expert * N * word_stride, word_stride, row_words,
                          lo_ptr + meta, step_ptr + meta, delta_ptr + meta, lo_scale_ptr + expert * N,
                          step_scale_ptr + expert * N, cols, col_ok, K, n_kblocks, 0, n_kblocks, BLOCK_M, BLOCK_N,
                          GROUP)
