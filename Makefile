@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 MODEL_DIR ?= models/smollm2-135m-instruct
 QWEN_TINY_DIR := models/qwen3.6-tiny
 
-.PHONY: setup model model-qwen serve test test-distributed test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust bench-overload bench-serving-path bench-overhead bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu kv-report quality quant-tools compare-quant clean
+.PHONY: setup model model-qwen serve test test-distributed test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust bench-overload bench-serving-path bench-overhead bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu profile-gpu kv-report quality quant-tools compare-quant clean
 
 setup:
 	bash scripts/setup.sh
@@ -129,6 +129,12 @@ compare-quant: setup model quant-tools
 # A3B kernels on a CUDA GPU: checks against the references, then timings (perf/results/gpu/)
 bench-gpu:
 	$(PY) perf/gpu_kernels.py
+
+# The A3B weight kernels under Nsight Compute (GPU only): throughput, occupancy, warp stalls
+NCU ?= ncu
+profile-gpu:
+	$(NCU) --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+	  --section MemoryWorkloadAnalysis -k regex:a3b $(PY) perf/profile_gpu_kernels.py
 
 # A3B KV cache (reference path): bytes per token, attention error, SmolLM2 perplexity change
 kv-report: setup model

@@ -197,6 +197,14 @@ def test_gpu_kernel_benchmark_says_why_it_cannot_run_without_a_gpu(capsys):
     assert "needs a CUDA GPU and torch with CUDA" in capsys.readouterr().err
 
 
+def test_gpu_profile_script_says_why_it_cannot_run_without_a_gpu(capsys):
+    sys.path.insert(0, str(ROOT / "perf"))
+    import profile_gpu_kernels
+
+    assert profile_gpu_kernels.main([]) == 2
+    assert "needs a CUDA GPU and torch with CUDA" in capsys.readouterr().err
+
+
 def test_gpu_kernel_benchmark_smoke_run_passes_every_code_path(tmp_path):
     """The whole script on the CPU at tiny sizes (Triton's interpreter), so the
     first GPU session does not spend its minutes on a broken script."""

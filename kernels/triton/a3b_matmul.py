@@ -42,10 +42,12 @@ class Launch:
 
 
 def launch_for(m: int) -> Launch:
-    """The launch a call with m rows of x gets by default."""
+    """The launch a call with m rows of x gets by default: for decode, the
+    fastest on 2048x2048 and 8192x8192 together in `make bench-gpu`'s launch
+    sweep on an H200 (perf/results/gpu/gpu_kernels.json)."""
     if m == 1:
-        return Launch(1, 64)
-    return Launch(16, 64) if m <= DECODE_ROWS else Launch(64, 64, per_sm=0)
+        return Launch(1, 128, per_sm=8)
+    return Launch(16, 64, per_sm=8) if m <= DECODE_ROWS else Launch(64, 64, per_sm=0)
 
 
 @triton.jit
