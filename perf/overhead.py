@@ -150,7 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup-rounds", type=int, default=6,
                         help=f"interleaved rounds at concurrency {WARMUP_CONCURRENCY} first, not measured")
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "overhead")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    command = "make bench-overhead" if not argv else " ".join(["python perf/overhead.py", *argv])
     profile = get_profile()
     os.environ.update(profile.engine_env())  # the served engine's settings (a3b_llm sets the same)
     tokenizer = perf_inputs.tokenizer_for(profile, ROOT)
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "overhead.md").write_text(
         f"# Serving overhead: bare AsyncLLM vs a3b_llm vs ensemble (profile {profile.name})\n\n"
         f"Machine: {perf_report.machine()}. "
-        f"Command: `make bench-overhead`. {args.warmup_rounds} warm-up rounds at concurrency "
+        f"Command: `{command}`. {args.warmup_rounds} warm-up rounds at concurrency "
         f"{WARMUP_CONCURRENCY} (not measured), then {args.rounds} interleaved rounds per concurrency, "
         f"{PROMPT_TOKENS}-token prompts (each its own), {OUTPUT_TOKENS} greedy output tokens. "
         "Per round: the variant's median over a's median, as a change in %; mean over rounds with a 95% "
