@@ -14,10 +14,11 @@ constexpr int kWarp = 32;
 constexpr int kCodesPerLoad = 32;  // one uint4 = 16 bytes = 32 codes
 
 // The table value of the code in bits 16..19 of `shifted`, as base + code *
-// code_scale + (code & 1) * bit_scale (see table_terms): the masked bits OR-ed
+// code_scale + (code & 1) * bit_scale (see TableTerms): the masked bits OR-ed
 // into the bits of 1.0f make 1 + code / 128, and the 1.0s are folded into
 // base, so each term is one mask and one multiply-add (no int-to-float
-// conversion, a quarter-rate instruction), exact to 2^-17 of a step.
+// conversion, a quarter-rate instruction), within about 2^-14 of a step
+// (float32 roundings of terms up to ~260 steps).
 __device__ __forceinline__ float code_value(uint32_t shifted, float base, float code_scale, float bit_scale) {
   const float code = __uint_as_float((shifted & 0xF0000u) | 0x3F800000u);
   const float bit = __uint_as_float((shifted & 0x10000u) | 0x3F800000u);

@@ -56,9 +56,9 @@ def code_value(shifted, base, code_scale, bit_scale):
     + (code & 1) * c (see `table_terms`): the masked bits OR-ed into the bits of
     1.0 make 1 + code / 128, so with the scales multiplied by 128 and their 1.0s
     folded into `base` each term is one mask and one multiply-add (no
-    int-to-float conversion, a quarter-rate instruction), exact to 2**-17 of a
-    step. Every code at the same bit: two masks for the compiler to keep in
-    registers."""
+    int-to-float conversion, a quarter-rate instruction), within about 2**-14
+    of a step (float32 roundings of terms up to ~260 steps). Every code sits at
+    the same bit, so one pair of masks serves them all."""
     code = ((shifted & 0xF0000) | FLOAT_ONE).to(tl.float32, bitcast=True)
     bit = ((shifted & 0x10000) | FLOAT_ONE).to(tl.float32, bitcast=True)
     return base + code * code_scale + bit * bit_scale
