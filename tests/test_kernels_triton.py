@@ -106,7 +106,9 @@ def test_triton_grouped_moe_matches_reference(tokens, top_k):
     expected = reference.a3b_moe(x, w13_list, w2_list, weights, ids, CONFIG, kernel_weight_dtype(16))
     got = a3b_moe.a3b_moe(x, w13, w2, weights, ids, CONFIG.block_cols)
     assert not got.isnan().any()
-    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
+    # the activation is rounded to bf16 between the projections: a weight rounded to the other fp16 neighbour
+    # can round an activation the other way (2**-8 of it); worst seen in 75 random cases: 1.3e-3 of the max
+    torch.testing.assert_close(got, expected, rtol=4e-3, atol=4e-3 * expected.abs().max().item())
 
 
 def test_triton_grouped_matmul_writes_every_routed_row():
