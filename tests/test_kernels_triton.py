@@ -107,7 +107,7 @@ def test_triton_grouped_moe_matches_reference(tokens, top_k):
     got = a3b_moe.a3b_moe(x, w13, w2, weights, ids, CONFIG.block_cols)
     assert not got.isnan().any()
     # the activation is rounded to bf16 between the projections: a weight rounded to the other fp16 neighbour
-    # can round an activation the other way (2**-8 of it); worst seen in 75 random cases: 1.3e-3 of the max
+    # can round an activation the other way (2**-8 of it), so a few outputs move by more than fp16 rounding
     torch.testing.assert_close(got, expected, rtol=4e-3, atol=4e-3 * expected.abs().max().item())
 
 
