@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -55,6 +57,8 @@ STREAM_INTERVAL = 4
 VARIANTS = (Variant("a: AsyncLLM", None), Variant("b: a3b_llm", contract.LLM_MODEL), Variant("c: ensemble", "ensemble"),
             Variant(f"d: ensemble, stream_interval {STREAM_INTERVAL}", "ensemble", STREAM_INTERVAL))
 SETTLE_S = 2.0
+# vLLM titles its engine processes (EngineCore, Worker) "VLLM::<name>"
+ENGINE_PROCESS = re.compile(r"^VLLM::")
 # Served rounds ran about 15% slower than bare vLLM for their first 6 rounds
 # at concurrency 8 and within a few % after (each round's medians in
 # overhead.json of `perf/overhead.py --rounds 12 --concurrency 8 32
@@ -92,6 +96,9 @@ class Round:
     requests: int
     # this process's CPU while the round ran: the client's, for the served variants
     process_cpu_s: float
+    # CPU of what serves the engine while the round ran: tritonserver and its Python stubs for the
+    # served variants (the engine's processes left out), this process's for bare AsyncLLM
+    serving_cpu_s: float
 
 
 def latencies(records: list[RequestRecord]) -> tuple[list[float], list[float]]:
@@ -111,6 +118,20 @@ def paired_percent(variant: list[float], base: list[float], resamples: int = 100
     means = changes[rng.integers(0, len(changes), (resamples, len(changes)))].mean(axis=1)
     return {"mean": float(changes.mean()), "low": float(np.percentile(means, 2.5)),
             "high": float(np.percentile(means, 97.5))}
+
+
+def serving_cpu_s(server: server_process.Server) -> float:
+    """CPU seconds so far of tritonserver's process tree without vLLM's engine
+    processes (EngineCore and its workers, which bare AsyncLLM has too)."""
+    total = 0.0
+    for proc in [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(recursive=True)]:
+        try:
+            if not ENGINE_PROCESS.search(" ".join(proc.cmdline())):
+                times = proc.cpu_times()
+                total += times.user + times.system
+        except psutil.NoSuchProcess:
+            continue
+    return total
 
 
 def interval_text(change: dict[str, float]) -> str:
@@ -173,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
 
             def run(variant: Variant, ids: list[list[int]]) -> Round:
                 cpu_before = time.process_time()
+                served_before = serving_cpu_s(server)
                 if variant.model is None:
                     records = loop.run_until_complete(direct_round(engine, ids))
                 else:
@@ -184,8 +206,10 @@ def main(argv: list[str] | None = None) -> None:
                     records = loop.run_until_complete(loadgen.stream_all(
                         server.grpc_url, variant.model, requests, timeout_s=300,
                         output="token_ids" if token_level else "text_output"))
+                process_cpu = time.process_time() - cpu_before
                 return Round(*latencies(records), responses=sum(len(r.response_ns) for r in records),
-                             requests=len(records), process_cpu_s=time.process_time() - cpu_before)
+                             requests=len(records), process_cpu_s=process_cpu,
+                             serving_cpu_s=serving_cpu_s(server) - served_before if variant.model else process_cpu)
 
             results: dict[tuple[Variant, int], list[Round]] = {}
             with tqdm(total=len(schedule) * len(VARIANTS), desc="interleaved rounds (warm-up first)",
@@ -216,17 +240,19 @@ def main(argv: list[str] | None = None) -> None:
                          ttft_ms=statistics.median(x for r in rounds for x in r.ttft_ms),
                          itl_ms=statistics.median(x for r in rounds for x in r.itl_ms),
                          responses_per_request=responses / sum(r.requests for r in rounds),
+                         serving_cpu_ms_per_response=1000 * sum(r.serving_cpu_s for r in rounds) / responses,
                          client_cpu_ms_per_response=(1000 * sum(r.process_cpu_s for r in rounds) / responses
                                                      if variant.model else None),
                          ttft_vs_a_percent=ttft, itl_vs_a_percent=itl,
                          round_ttft_ms=[statistics.median(r.ttft_ms) for r in rounds],
                          round_itl_ms=[statistics.median(r.itl_ms) for r in rounds]))
     header = ("| variant | concurrency | TTFT median ms | ITL median ms | responses per request | "
-              "client CPU ms per response | TTFT vs a, % (mean [95% interval]) | "
-              "ITL vs a, % (mean [95% interval]) |\n|---|---|---|---|---|---|---|---|\n")
+              "serving CPU ms per response | client CPU ms per response | TTFT vs a, % (mean [95% interval]) | "
+              "ITL vs a, % (mean [95% interval]) |\n" + "|---" * 9 + "|\n")
     table = header + "".join(
         f"| {r['variant']} | {r['concurrency']} | {r['ttft_ms']:.1f} | {r['itl_ms']:.2f} | "
         f"{r['responses_per_request']:.1f} | "
+        + f"{r['serving_cpu_ms_per_response']:.2f} | "
         + (f"{r['client_cpu_ms_per_response']:.2f}" if r["client_cpu_ms_per_response"] is not None else "-")
         + f" | {interval_text(r['ttft_vs_a_percent'])} | {interval_text(r['itl_vs_a_percent'])} |\n" for r in rows)
     print(table)
@@ -243,7 +269,9 @@ def main(argv: list[str] | None = None) -> None:
         "bootstrap interval. Inter-token latency: (last response - first) / (tokens - 1) per request, so a "
         "response that carries several tokens does not shorten it. b, c and d are streamed over one asyncio gRPC "
         "channel of this process (loadgen.stream_all); client CPU is this process's CPU during the round per "
-        f"response. a3b_llm paces each stream's responses at {profile.stream_responses_per_s:g} responses/s "
+        "response; serving CPU, per response, is that of tritonserver and its Python stubs (vLLM's engine "
+        "processes left out) for b, c and d, and this process's (AsyncLLM's front end) for a. "
+        f"a3b_llm paces each stream's responses at {profile.stream_responses_per_s:g} responses/s "
         "over all streams (a3b_backend/pacing.py).\n"
         "Goals: the ensemble's interval ends at most +3% inter-token latency at concurrency 8 and 32, "
         "and at most +5% TTFT.\n\n"
