@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 MODEL_DIR ?= models/smollm2-135m-instruct
 QWEN_TINY_DIR := models/qwen3.6-tiny
 
-.PHONY: setup model model-qwen serve test test-distributed test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust bench-overload bench-serving-path bench-overhead bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu profile-gpu kv-report quality quant-tools compare-quant clean
+.PHONY: setup model model-qwen serve test test-distributed test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust bench-overload bench-serving-path bench-serving-cpu bench-overhead bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu profile-gpu kv-report quality quant-tools compare-quant clean
 
 setup:
 	bash scripts/setup.sh
@@ -104,6 +104,10 @@ bench-serving-path: setup model perf-tools
 # bare AsyncLLM vs a3b_llm vs ensemble, same prompts, interleaved (starts its own server)
 bench-overhead: setup model
 	$(PY) perf/overhead.py
+
+# CPU per streamed response of each process of tritonserver's tree (stubs, engine), a3b_llm and ensemble
+bench-serving-cpu: setup model
+	$(PY) perf/serving_cpu.py
 
 # vLLM eager/compiled x bf16/float32 on the cpu profile (why it runs eager float32)
 bench-cpu-modes: setup model

@@ -22,7 +22,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -30,7 +29,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -39,6 +37,7 @@ from a3b_backend import contract  # noqa: E402
 from a3b_backend.bench import loadgen, perf_inputs, perf_report, server_process  # noqa: E402
 from a3b_backend.bench.perf_report import RequestRecord  # noqa: E402
 from a3b_backend.profiles import get_profile  # noqa: E402
+from serving_cpu import serving_cpu_s  # noqa: E402
 
 OUTPUT_TOKENS = 32
 PROMPT_TOKENS = 128
@@ -57,8 +56,6 @@ STREAM_INTERVAL = 4
 VARIANTS = (Variant("a: AsyncLLM", None), Variant("b: a3b_llm", contract.LLM_MODEL), Variant("c: ensemble", "ensemble"),
             Variant(f"d: ensemble, stream_interval {STREAM_INTERVAL}", "ensemble", STREAM_INTERVAL))
 SETTLE_S = 2.0
-# vLLM titles its engine processes (EngineCore, Worker) "VLLM::<name>"
-ENGINE_PROCESS = re.compile(r"^VLLM::")
 # Served rounds ran about 15% slower than bare vLLM for their first 6 rounds
 # at concurrency 8 and within a few % after (each round's medians in
 # overhead.json of `perf/overhead.py --rounds 12 --concurrency 8 32
@@ -118,20 +115,6 @@ def paired_percent(variant: list[float], base: list[float], resamples: int = 100
     means = changes[rng.integers(0, len(changes), (resamples, len(changes)))].mean(axis=1)
     return {"mean": float(changes.mean()), "low": float(np.percentile(means, 2.5)),
             "high": float(np.percentile(means, 97.5))}
-
-
-def serving_cpu_s(server: server_process.Server) -> float:
-    """CPU seconds so far of tritonserver's process tree without vLLM's engine
-    processes (EngineCore and its workers, which bare AsyncLLM has too)."""
-    total = 0.0
-    for proc in [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(recursive=True)]:
-        try:
-            if not ENGINE_PROCESS.search(" ".join(proc.cmdline())):
-                times = proc.cpu_times()
-                total += times.user + times.system
-        except psutil.NoSuchProcess:
-            continue
-    return total
 
 
 def interval_text(change: dict[str, float]) -> str:
