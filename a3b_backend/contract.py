@@ -28,6 +28,8 @@ def names(tensors: tuple[Tensor, ...]) -> tuple[str, ...]:
 # The token-level engine model and the tensors its adapters and the
 # postprocessing step's cancellation forwarding name.
 LLM_MODEL = "a3b_llm"
+# The text-level model clients address (tokenizer -> LLM -> detokenizer).
+ENSEMBLE_MODEL = "ensemble"
 POSTPROCESS_CONFIG = "postprocess_config"
 ABORT_REQUEST_ID = "abort_request_id"
 REQUEST_ID = "request_id"

@@ -63,7 +63,7 @@ def _ensemble() -> str:
     ]
     return (
         HEADER
-        + 'name: "ensemble"\nplatform: "ensemble"\nmax_batch_size: 0\n'
+        + f'name: "{contract.ENSEMBLE_MODEL}"\nplatform: "ensemble"\nmax_batch_size: 0\n'
         + "model_transaction_policy { decoupled: true }\n"
         + _tensor_block("input", contract.TEXT_INPUTS)
         + _tensor_block("output", contract.TEXT_OUTPUTS)
@@ -86,12 +86,12 @@ def render() -> dict[str, str]:
         # test_cancelled_ensemble_streams_abort_the_engine fails).
         "postprocessing": _python_model("postprocessing", contract.POSTPROCESS_INPUTS, contract.TEXT_OUTPUTS,
                                         decoupled=False, instance_kind="KIND_CPU", count=1),
-        "ensemble": _ensemble(),
+        contract.ENSEMBLE_MODEL: _ensemble(),
     }
 
 
 # Where LoRA names are listed: the model that serves them and the one clients address.
-LORA_MODELS = (contract.LLM_MODEL, "ensemble")
+LORA_MODELS = (contract.LLM_MODEL, contract.ENSEMBLE_MODEL)
 
 
 def lora_entry(text: str) -> tuple[str, Path]:

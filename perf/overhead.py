@@ -37,7 +37,6 @@ from a3b_backend import contract  # noqa: E402
 from a3b_backend.bench import loadgen, perf_inputs, perf_report, server_process  # noqa: E402
 from a3b_backend.bench.perf_report import RequestRecord  # noqa: E402
 from a3b_backend.profiles import get_profile  # noqa: E402
-from serving_cpu import serving_cpu_s  # noqa: E402
 
 OUTPUT_TOKENS = 32
 PROMPT_TOKENS = 128
@@ -53,8 +52,9 @@ class Variant:
 # d: the same ensemble requests asking for vLLM's stream_interval, so what
 # fewer, larger responses save is read beside c in the same run.
 STREAM_INTERVAL = 4
-VARIANTS = (Variant("a: AsyncLLM", None), Variant("b: a3b_llm", contract.LLM_MODEL), Variant("c: ensemble", "ensemble"),
-            Variant(f"d: ensemble, stream_interval {STREAM_INTERVAL}", "ensemble", STREAM_INTERVAL))
+VARIANTS = (Variant("a: AsyncLLM", None), Variant("b: a3b_llm", contract.LLM_MODEL),
+            Variant("c: ensemble", contract.ENSEMBLE_MODEL),
+            Variant(f"d: ensemble, stream_interval {STREAM_INTERVAL}", contract.ENSEMBLE_MODEL, STREAM_INTERVAL))
 SETTLE_S = 2.0
 # Served rounds ran about 15% slower than bare vLLM for their first 6 rounds
 # at concurrency 8 and within a few % after (each round's medians in
@@ -65,6 +65,17 @@ WARMUP_CONCURRENCY = 8
 
 def sampling(**extra) -> dict:
     return {"temperature": 0, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True, **extra}
+
+
+def served_requests(model: str, prompts: list[list[int]], tokenizer, stream_interval: int | None = None
+                    ) -> tuple[list[dict], str]:
+    """Streamed requests of `prompts` for a served model (token ids for a3b_llm,
+    text for the ensemble), and the output tensor that carries their answers."""
+    extra = {"stream_interval": stream_interval} if stream_interval else {}
+    common = {"stream": True, "sampling_parameters": json.dumps(sampling(**extra))}
+    if model == contract.LLM_MODEL:
+        return [{"input_ids": np.asarray(p, dtype=np.int32), **common} for p in prompts], "token_ids"
+    return [{"text_input": tokenizer.decode(p), **common} for p in prompts], "text_output"
 
 
 async def direct_round(engine, prompts: list[list[int]]) -> list[RequestRecord]:
@@ -177,22 +188,17 @@ def main(argv: list[str] | None = None) -> None:
 
             def run(variant: Variant, ids: list[list[int]]) -> Round:
                 cpu_before = time.process_time()
-                served_before = serving_cpu_s(server)
+                served_before = server.serving_cpu_s()
                 if variant.model is None:
                     records = loop.run_until_complete(direct_round(engine, ids))
                 else:
-                    extra = {"stream_interval": variant.stream_interval} if variant.stream_interval else {}
-                    common = {"stream": True, "sampling_parameters": json.dumps(sampling(**extra))}
-                    token_level = variant.model == contract.LLM_MODEL
-                    requests = [{"input_ids": np.asarray(x, dtype=np.int32), **common} if token_level
-                                else {"text_input": tokenizer.decode(x), **common} for x in ids]
+                    requests, output = served_requests(variant.model, ids, tokenizer, variant.stream_interval)
                     records = loop.run_until_complete(loadgen.stream_all(
-                        server.grpc_url, variant.model, requests, timeout_s=300,
-                        output="token_ids" if token_level else "text_output"))
+                        server.grpc_url, variant.model, requests, timeout_s=300, output=output))
                 process_cpu = time.process_time() - cpu_before
                 return Round(*latencies(records), responses=sum(len(r.response_ns) for r in records),
                              requests=len(records), process_cpu_s=process_cpu,
-                             serving_cpu_s=serving_cpu_s(server) - served_before if variant.model else process_cpu)
+                             serving_cpu_s=server.serving_cpu_s() - served_before if variant.model else process_cpu)
 
             results: dict[tuple[Variant, int], list[Round]] = {}
             with tqdm(total=len(schedule) * len(VARIANTS), desc="interleaved rounds (warm-up first)",

@@ -10,63 +10,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from a3b_backend import contract  # noqa: E402
 from a3b_backend.bench import loadgen, perf_inputs, perf_report, server_process  # noqa: E402
+from a3b_backend.bench.server_process import ENGINE_PROCESS  # noqa: E402
 from a3b_backend.profiles import get_profile  # noqa: E402
+from overhead import OUTPUT_TOKENS, PROMPT_TOKENS, served_requests  # noqa: E402
 
-# vLLM titles its engine processes (EngineCore, Worker) "VLLM::<name>"
-ENGINE_PROCESS = re.compile(r"^VLLM::")
-MODELS = (contract.LLM_MODEL, "ensemble")
-
-
-def process_name(cmdline: list[str]) -> str:
-    """A model's name for its Python stub, vLLM's title for an engine process,
-    else the program's file name ('tritonserver', 'bash', ...)."""
-    command = " ".join(cmdline)
-    if stub := re.search(r"/([A-Za-z0-9_]+)/\d+/model\.py", command):
-        return stub.group(1)
-    if ENGINE_PROCESS.match(command):
-        return command.split()[0]
-    return Path(cmdline[0]).name if cmdline else "?"
-
-
-def cpu_by_process(server: server_process.Server) -> dict[str, float]:
-    """CPU seconds so far of each process in tritonserver's tree, by `process_name` (same names summed)."""
-    root = psutil.Process(server.proc.pid)
-    totals: dict[str, float] = {}
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            name, times = process_name(proc.cmdline()), proc.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        totals[name] = totals.get(name, 0.0) + times.user + times.system
-    return totals
-
-
-def serving_cpu_s(server: server_process.Server) -> float:
-    """CPU seconds so far of tritonserver's tree without vLLM's engine processes."""
-    return sum(cpu for name, cpu in cpu_by_process(server).items() if not ENGINE_PROCESS.match(name))
-
-
-def requests_for(model: str, prompts: list[list[int]], tokenizer) -> list[dict]:
-    from overhead import sampling
-
-    common = {"stream": True, "sampling_parameters": json.dumps(sampling())}
-    if model == contract.LLM_MODEL:
-        return [{"input_ids": np.asarray(p, dtype=np.int32), **common} for p in prompts]
-    return [{"text_input": tokenizer.decode(p), **common} for p in prompts]
+MODELS = (contract.LLM_MODEL, contract.ENSEMBLE_MODEL)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,8 +35,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds per model, after one that is not")
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "serving_cpu")
     args = parser.parse_args(argv)
-    from overhead import PROMPT_TOKENS
-
     profile = get_profile()
     tokenizer = perf_inputs.tokenizer_for(profile, ROOT)
     corpus = perf_inputs.Corpus(tokenizer)
@@ -89,17 +47,16 @@ def main(argv: list[str] | None = None) -> None:
         loop = asyncio.new_event_loop()
         try:
             for model in MODELS:
-                requests = requests_for(model, prompts, tokenizer)
-                output = "token_ids" if model == contract.LLM_MODEL else "text_output"
+                requests, output = served_requests(model, prompts, tokenizer)
 
                 def round_() -> int:
                     records = loop.run_until_complete(loadgen.stream_all(server.grpc_url, model, requests, 300, output))
                     return sum(len(r.response_ns) for r in records)
 
                 round_()  # not measured: the first requests of a model pay for warming up
-                before, start = cpu_by_process(server), time.monotonic()
+                before, start = server.cpu_by_process(), time.monotonic()
                 responses = sum(round_() for _ in range(args.rounds))
-                after, seconds = cpu_by_process(server), time.monotonic() - start
+                after, seconds = server.cpu_by_process(), time.monotonic() - start
                 table[model] = {name: 1000 * (after[name] - before.get(name, 0.0)) / responses for name in after}
                 print(f"{model}: {responses} responses in {seconds:.1f} s", flush=True)
         finally:
@@ -110,7 +67,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def write_report(args, table: dict[str, dict[str, float]], profile_name: str) -> None:
     import matplotlib
-    from overhead import OUTPUT_TOKENS, PROMPT_TOKENS
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

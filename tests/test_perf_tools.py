@@ -197,16 +197,16 @@ def test_gpu_kernel_benchmark_says_why_it_cannot_run_without_a_gpu(capsys):
     assert "needs a CUDA GPU and torch with CUDA" in capsys.readouterr().err
 
 
-def test_serving_cpu_names_each_process_of_the_server_tree():
-    sys.path.insert(0, str(ROOT / "perf"))
-    import serving_cpu
+def test_server_cpu_is_counted_by_process_name():
+    from a3b_backend.bench import server_process
 
     stub = ["/opt/tritonserver/backends/python/triton_python_backend_stub",
             "/tmp/repo/postprocessing/1/model.py", "triton_python_backend_shm_region_3", "1048576"]
-    assert serving_cpu.process_name(stub) == "postprocessing"
-    assert serving_cpu.process_name(["VLLM::EngineCore"]) == "VLLM::EngineCore"
-    assert serving_cpu.process_name(["/opt/tritonserver/bin/tritonserver", "--model-repository", "x"]) == "tritonserver"
-    assert serving_cpu.ENGINE_PROCESS.match("VLLM::Worker") and not serving_cpu.ENGINE_PROCESS.match("a3b_llm")
+    assert server_process.process_name(stub) == "postprocessing"
+    assert server_process.process_name(["VLLM::EngineCore"]) == "VLLM::EngineCore"
+    server = ["/opt/tritonserver/bin/tritonserver", "--model-repository", "x"]
+    assert server_process.process_name(server) == "tritonserver"
+    assert server_process.ENGINE_PROCESS.match("VLLM::Worker") and not server_process.ENGINE_PROCESS.match("a3b_llm")
 
 
 def test_gpu_profile_script_says_why_it_cannot_run_without_a_gpu(capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -32,6 +33,21 @@ def free_ports(count: int) -> list[int]:
             continue
 
 
+# vLLM titles its engine processes (EngineCore, Worker) "VLLM::<name>"
+ENGINE_PROCESS = re.compile(r"^VLLM::")
+
+
+def process_name(cmdline: list[str]) -> str:
+    """A model's name for its Python stub, vLLM's title for an engine process,
+    else the program's file name ('tritonserver', 'bash', ...)."""
+    command = " ".join(cmdline)
+    if stub := re.search(r"/([A-Za-z0-9_]+)/\d+/model\.py", command):
+        return stub.group(1)
+    if ENGINE_PROCESS.match(command):
+        return command.split()[0]
+    return Path(cmdline[0]).name if cmdline else "?"
+
+
 class Server:
     def __init__(self, http_port: int, grpc_port: int, metrics_port: int, proc: subprocess.Popen, log: Path):
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
@@ -51,6 +67,24 @@ class Server:
                 return r.status == 200
         except OSError:
             return False
+
+    def cpu_by_process(self) -> dict[str, float]:
+        """CPU seconds so far of each process in the server's tree, by `process_name` (same names summed)."""
+        import psutil
+
+        root = psutil.Process(self.proc.pid)
+        totals: dict[str, float] = {}
+        for proc in [root, *root.children(recursive=True)]:
+            try:
+                name, times = process_name(proc.cmdline()), proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            totals[name] = totals.get(name, 0.0) + times.user + times.system
+        return totals
+
+    def serving_cpu_s(self) -> float:
+        """CPU seconds so far of the server's tree without vLLM's engine processes."""
+        return sum(cpu for name, cpu in self.cpu_by_process().items() if not ENGINE_PROCESS.match(name))
 
     def stop(self, timeout_s: float = 60) -> None:
         self.proc.terminate()

@@ -33,16 +33,20 @@ struct TableTerms {
       : code_scale(64.f * step), bit_scale(256.f * d - 64.f * step) {
     base = lo - d - code_scale - bit_scale;
   }
+  // the value of the code in bits 16..19 of `shifted`
+  __device__ __forceinline__ float value(uint32_t shifted) const {
+    return code_value(shifted, base, code_scale, bit_scale);
+  }
   // the 8 codes of a word, code j in bits 4j..4j+3
   __device__ __forceinline__ void word(uint32_t w, float* out) const {
-    out[0] = code_value(w << 16, base, code_scale, bit_scale);
-    out[1] = code_value(w << 12, base, code_scale, bit_scale);
-    out[2] = code_value(w << 8, base, code_scale, bit_scale);
-    out[3] = code_value(w << 4, base, code_scale, bit_scale);
-    out[4] = code_value(w, base, code_scale, bit_scale);
-    out[5] = code_value(w >> 4, base, code_scale, bit_scale);
-    out[6] = code_value(w >> 8, base, code_scale, bit_scale);
-    out[7] = code_value(w >> 12, base, code_scale, bit_scale);
+    out[0] = value(w << 16);
+    out[1] = value(w << 12);
+    out[2] = value(w << 8);
+    out[3] = value(w << 4);
+    out[4] = value(w);
+    out[5] = value(w >> 4);
+    out[6] = value(w >> 8);
+    out[7] = value(w >> 12);
   }
 };
 
@@ -92,11 +96,11 @@ __global__ void a3b_gemv_kernel(const __nv_bfloat16* __restrict__ x, const uint8
     } else {
       for (int i = 0; i < 16 && k0 + 2 * i < K; ++i) {
         const int k = k0 + 2 * i;
-        float w[8];
-        table.word(codes[k0 / 2 + i], w);  // w[0], w[1]: this byte's two codes
+        const uint32_t byte = codes[k0 / 2 + i];
+        const float w_even = table.value(byte << 16), w_odd = table.value(byte << 12);
         for (int m = 0; m < M; ++m) {
-          acc[m] += __bfloat162float(x[m * K + k]) * w[0];
-          if (k + 1 < K) acc[m] += __bfloat162float(x[m * K + k + 1]) * w[1];
+          acc[m] += __bfloat162float(x[m * K + k]) * w_even;
+          if (k + 1 < K) acc[m] += __bfloat162float(x[m * K + k + 1]) * w_odd;
         }
       }
     }

@@ -32,11 +32,11 @@ FLOAT_ONE = tl.constexpr(0x3F800000)  # the bits of float32 1.0
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """Tiles and occupancy of one a3b_matmul launch. per_sm: K is split until
-    the launch has about this many programs per SM (0: K is not split, for
+    the launch has about this many programs per SM (None: K is not split, for
     calls with enough output tiles of their own)."""
     block_m: int
     block_n: int
-    per_sm: int = 2
+    per_sm: int | None = 2
     num_warps: int = 4
     num_stages: int = 3
 
@@ -47,7 +47,7 @@ def launch_for(m: int) -> Launch:
     sweep on an H200 (perf/results/gpu/gpu_kernels.json)."""
     if m == 1:
         return Launch(1, 128, per_sm=8)
-    return Launch(16, 64, per_sm=8) if m <= DECODE_ROWS else Launch(64, 64, per_sm=0)
+    return Launch(16, 64, per_sm=8) if m <= DECODE_ROWS else Launch(64, 64, per_sm=None)
 
 
 @triton.jit
@@ -193,7 +193,7 @@ def a3b_matmul(x: torch.Tensor, q: A3BWeight, config: A3BConfig, out: torch.Tens
     x = x.contiguous()
     grid_mn = (triton.cdiv(M, launch.block_m), triton.cdiv(N, launch.block_n))
     if split_k is None:
-        split_k = splits_to_fill(grid_mn[0] * grid_mn[1], n_kblocks, launch.per_sm) if launch.per_sm else 1
+        split_k = 1 if launch.per_sm is None else splits_to_fill(grid_mn[0] * grid_mn[1], n_kblocks, launch.per_sm)
     y = torch.empty(M, N, dtype=torch.float32, device=x.device) if out is None else out
     if split_k > 1:
         y.zero_()
