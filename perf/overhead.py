@@ -1,7 +1,7 @@
 """What Triton adds: the same prompts and sampling through (a) vLLM's AsyncLLM
 directly in this process, (b) `a3b_llm` through tritonserver (token ids in and
 out), (c) the full `ensemble` (text in, text out) and (d) the ensemble asked
-for STREAM_INTERVAL tokens per response, interleaved a b c d a b c d ...
+for STREAM_INTERVAL tokens per response, interleaved a b c d d c b a a b c d ...
 
     make bench-overhead       # starts its own server; table + PNG under perf/results/overhead/
 
@@ -47,6 +47,10 @@ class Variant:
     name: str
     model: str | None  # the served model asked; None: vLLM's AsyncLLM in this process
     stream_interval: int | None = None  # asked for in sampling_parameters
+
+    @property
+    def letter(self) -> str:
+        return self.name.split(":")[0]
 
 
 # d: the same ensemble requests asking for vLLM's stream_interval, so what
@@ -132,7 +136,7 @@ def interval_text(change: dict[str, float]) -> str:
     return f"{change['mean']:+.1f} [{change['low']:+.1f}, {change['high']:+.1f}]"
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], variants: list[Variant], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -140,10 +144,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, title in ((axes[0], "ttft_ms", "TTFT median (ms)"), (axes[1], "itl_ms", "inter-token median (ms)")):
-        width = 0.8 / len(VARIANTS)
-        for offset, variant in enumerate(VARIANTS):
+        width = 0.8 / len(variants)
+        for offset, variant in enumerate(variants):
             picked = [r for r in rows if r["variant"] == variant.name]
-            xs = [i + (offset - (len(VARIANTS) - 1) / 2) * width for i in range(len(picked))]
+            xs = [i + (offset - (len(variants) - 1) / 2) * width for i in range(len(picked))]
             ax.bar(xs, [r[key] for r in picked], width=width, label=variant.name)
         ax.set_xticks(range(len(picked)), [f"concurrency {r['concurrency']}" for r in picked])
         ax.set_title(title)
@@ -164,9 +168,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--warmup-rounds", type=int, default=6,
                         help=f"interleaved rounds at concurrency {WARMUP_CONCURRENCY} first, not measured")
+    parser.add_argument("--variants", nargs="+", choices=[v.letter for v in VARIANTS],
+                        default=[v.letter for v in VARIANTS],
+                        help="which variants run (a, the baseline, always does); fewer make a round shorter")
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "overhead")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    variants = [v for v in VARIANTS if v.letter == VARIANTS[0].letter or v.letter in args.variants]
     command = "make bench-overhead" if not argv else " ".join(["python perf/overhead.py", *argv])
     profile = get_profile()
     os.environ.update(profile.engine_env())  # the served engine's settings (a3b_llm sets the same)
@@ -174,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     corpus = perf_inputs.Corpus(tokenizer)
     schedule = [(WARMUP_CONCURRENCY, False)] * args.warmup_rounds
     schedule += [(c, True) for c in args.concurrency for _ in range(args.rounds)]
-    needed = sum(c for c, _ in schedule) * len(VARIANTS)
+    needed = sum(c for c, _ in schedule) * len(variants)
     stride = len(corpus.ids) // needed
     prompts = iter([tokenizer.encode(corpus.text_of_length(PROMPT_TOKENS, start=i * stride)) for i in range(needed)])
 
@@ -201,10 +209,12 @@ def main(argv: list[str] | None = None) -> None:
                              serving_cpu_s=server.serving_cpu_s() - served_before if variant.model else process_cpu)
 
             results: dict[tuple[Variant, int], list[Round]] = {}
-            with tqdm(total=len(schedule) * len(VARIANTS), desc="interleaved rounds (warm-up first)",
+            with tqdm(total=len(schedule) * len(variants), desc="interleaved rounds (warm-up first)",
                       unit="run") as bar:
-                for c, measured in schedule:
-                    for variant in VARIANTS:
+                for round_index, (c, measured) in enumerate(schedule):
+                    # Every other round in reverse order, so that a drift of the
+                    # machine's speed within a round favours no variant.
+                    for variant in variants if round_index % 2 == 0 else variants[::-1]:
                         outcome = run(variant, [next(prompts) for _ in range(c)])
                         if measured:
                             results.setdefault((variant, c), []).append(outcome)
@@ -246,13 +256,14 @@ def main(argv: list[str] | None = None) -> None:
         + f" | {interval_text(r['ttft_vs_a_percent'])} | {interval_text(r['itl_vs_a_percent'])} |\n" for r in rows)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
-    plot(rows, args.out / "overhead.png")
+    plot(rows, variants, args.out / "overhead.png")
     (args.out / "overhead.json").write_text(json.dumps(rows, indent=1))
     (args.out / "overhead.md").write_text(
         f"# Serving overhead: bare AsyncLLM vs a3b_llm vs ensemble (profile {profile.name})\n\n"
         f"Machine: {perf_report.machine()}. "
         f"Command: `{command}`. {args.warmup_rounds} warm-up rounds at concurrency "
-        f"{WARMUP_CONCURRENCY} (not measured), then {args.rounds} interleaved rounds per concurrency, "
+        f"{WARMUP_CONCURRENCY} (not measured), then {args.rounds} interleaved rounds per concurrency (every "
+        "other round in reverse order), "
         f"{PROMPT_TOKENS}-token prompts (each its own), {OUTPUT_TOKENS} greedy output tokens. "
         "Per round: the variant's median over a's median, as a change in %; mean over rounds with a 95% "
         "bootstrap interval. Inter-token latency: (last response - first) / (tokens - 1) per request, so a "
