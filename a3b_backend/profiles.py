@@ -134,12 +134,6 @@ class Profile:
         return self.reasoning_parser is not None or self.tool_parser is not None
 
     @property
-    def keeps_serving_off_engine_cores(self) -> bool:
-        """On the CPU engine, whose workers vLLM binds to cores of their own, the
-        serving processes stay off those cores (a3b_backend/cpu_placement.py)."""
-        return self.gpus_per_node == 0
-
-    @property
     def pacing(self) -> ResponsePacing:
         return ResponsePacing(self.stream_responses_per_s)
 

@@ -36,7 +36,6 @@ sys.path.insert(0, str(ROOT))
 from a3b_backend import contract  # noqa: E402
 from a3b_backend.bench import loadgen, perf_inputs, perf_report, server_process  # noqa: E402
 from a3b_backend.bench.perf_report import RequestRecord  # noqa: E402
-from a3b_backend.cpu_placement import CorePlacement  # noqa: E402
 from a3b_backend.profiles import get_profile  # noqa: E402
 
 OUTPUT_TOKENS = 32
@@ -187,7 +186,6 @@ def main(argv: list[str] | None = None) -> None:
     stride = len(corpus.ids) // needed
     prompts = iter([tokenizer.encode(corpus.text_of_length(PROMPT_TOKENS, start=i * stride)) for i in range(needed)])
 
-    placement = CorePlacement.of_tree(os.getpid())
     with tempfile.TemporaryDirectory() as tmp:
         print("starting tritonserver ...", flush=True)
         server = server_process.start(Path(tmp) / "tritonserver.log")
@@ -195,11 +193,6 @@ def main(argv: list[str] | None = None) -> None:
         try:
             print("starting AsyncLLM in this process ...", flush=True)
             engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**profile.engine_args(ROOT)))
-            # What a3b_llm does for the server's tree, for this process too (bare
-            # AsyncLLM's front end and the benchmark's client): the same cores for both.
-            if profile.keeps_serving_off_engine_cores:
-                print(f"off the CPU workers' cores: this process and the server, on cores "
-                      f"{sorted(placement.keep_off_workers())}", flush=True)
 
             def run(variant: Variant, ids: list[list[int]]) -> Round:
                 cpu_before = time.process_time()

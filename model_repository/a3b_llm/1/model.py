@@ -5,7 +5,6 @@ triton_io.use_utf8_locale()
 
 import asyncio  # noqa: E402
 import dataclasses  # noqa: E402
-import os  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
@@ -15,7 +14,6 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 
 from a3b_backend import contract, drain, lora, pacing  # noqa: E402
-from a3b_backend.cpu_placement import CorePlacement  # noqa: E402
 from a3b_backend.engine import EngineHost  # noqa: E402
 from a3b_backend.generation import StepTracker, parse_llm_request, request_arrays, step_arrays  # noqa: E402
 from a3b_backend.metrics import TritonMetrics  # noqa: E402
@@ -37,13 +35,11 @@ class TritonPythonModel:
         self.lora_work_dir = tempfile.TemporaryDirectory(prefix="a3b-lora-")
         self.adapters = lora.Adapters.prepare(listed, profile.resolve_model_dir(root), Path(self.lora_work_dir.name),
                                               profile.max_lora_rank)
-        # tritonserver's tree: the server, every model's stub and the engine's processes
-        self.placement = CorePlacement.of_tree(os.getppid()) if profile.keeps_serving_off_engine_cores else None
         self.host = EngineHost(
             profile.engine_args(root, enable_lora=bool(listed)),
             env=profile.engine_env(),
             stat_loggers=[self.metrics.stat_logger_factory()],
-            on_state=self._engine_state,
+            on_state=self.metrics.engine_state,
             on_in_flight=self.metrics.in_flight,
             restart_needs=profile.restart_needs,
         )
@@ -52,11 +48,6 @@ class TritonPythonModel:
         # for the reasoning / tool-call parsers, which run here (a3b_backend/parsing.py)
         self.tokenizer = triton_io.load_tokenizer(args) if profile.parses_output else None
         self.cancel_polls = triton_io.PollSchedule()
-
-    def _engine_state(self, up: bool) -> None:
-        self.metrics.engine_state(up)
-        if self.placement is not None:
-            self.placement.follow_engine(up)
 
     def execute(self, requests):
         for request in requests:
