@@ -1,7 +1,10 @@
 """Where the served path's CPU goes: for each process of tritonserver's tree
 (tritonserver itself, each model's Python stub, vLLM's engine processes), CPU
-ms per streamed response while C streams run through `a3b_llm` and through
-the `ensemble`, with `make bench-overhead`'s prompts and greedy answers.
+ms per streamed token while C streams run through `a3b_llm` and through the
+`ensemble`, with `make bench-overhead`'s prompts and greedy answers; the
+ensemble also asked for vLLM's `stream_interval` (several tokens per
+response), which splits its serving CPU into a part per response and a part
+per token (a least-squares line through the ensemble's runs).
 
     make bench-serving-cpu    # starts its own server; table + PNG under perf/results/serving_cpu/
 """
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import tempfile
@@ -24,9 +28,33 @@ from a3b_backend import contract  # noqa: E402
 from a3b_backend.bench import loadgen, perf_inputs, perf_report, server_process  # noqa: E402
 from a3b_backend.bench.server_process import ENGINE_PROCESS  # noqa: E402
 from a3b_backend.profiles import get_profile  # noqa: E402
-from overhead import OUTPUT_TOKENS, PROMPT_TOKENS, served_requests  # noqa: E402
+from overhead import OUTPUT_TOKENS, PROMPT_TOKENS, Variant, served_requests  # noqa: E402
 
-MODELS = (contract.LLM_MODEL, contract.ENSEMBLE_MODEL)
+RUNS = (Variant(contract.LLM_MODEL, contract.LLM_MODEL), Variant(contract.ENSEMBLE_MODEL, contract.ENSEMBLE_MODEL),
+        *(Variant(f"{contract.ENSEMBLE_MODEL}, stream_interval {n}", contract.ENSEMBLE_MODEL, n) for n in (4, 32)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    cpu_ms: dict[str, float]  # by process, over the measured rounds
+    tokens: int
+    responses: int
+    requests: int
+
+    def per_token(self) -> dict[str, float]:
+        return {name: ms / self.tokens for name, ms in self.cpu_ms.items()}
+
+    def serving_ms(self) -> float:
+        return sum(ms for name, ms in self.cpu_ms.items() if not ENGINE_PROCESS.match(name))
+
+
+def split_cost(runs: list[Measured]) -> tuple[float, float]:
+    """(serving CPU ms per response, per token) of runs that differ in responses
+    per request only: the least-squares line through their per-request figures."""
+    per_request = np.array([r.serving_ms() / r.requests for r in runs])
+    design = np.array([[r.responses / r.requests, r.tokens / r.requests] for r in runs])
+    (per_response, per_token), *_ = np.linalg.lstsq(design, per_request, rcond=None)
+    return float(per_response), float(per_token)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -40,58 +68,75 @@ def main(argv: list[str] | None = None) -> None:
     corpus = perf_inputs.Corpus(tokenizer)
     prompts = [tokenizer.encode(corpus.text_of_length(PROMPT_TOKENS, start=i * 997))
                for i in range(args.concurrency)]
-    table: dict[str, dict[str, float]] = {}
+    measured: dict[str, Measured] = {}
     with tempfile.TemporaryDirectory() as tmp:
         print("starting tritonserver ...", flush=True)
         server = server_process.start(Path(tmp) / "tritonserver.log")
         loop = asyncio.new_event_loop()
         try:
-            for model in MODELS:
-                requests, output = served_requests(model, prompts, tokenizer)
+            for run in RUNS:
+                requests, output = served_requests(run.model, prompts, tokenizer, run.stream_interval)
 
-                def round_() -> int:
-                    records = loop.run_until_complete(loadgen.stream_all(server.grpc_url, model, requests, 300, output))
-                    return sum(len(r.response_ns) for r in records)
+                def round_() -> list:
+                    return loop.run_until_complete(
+                        loadgen.stream_all(server.grpc_url, run.model, requests, 300, output))
 
                 round_()  # not measured: the first requests of a model pay for warming up
                 before, start = server.cpu_by_process(), time.monotonic()
-                responses = sum(round_() for _ in range(args.rounds))
+                records = [r for _ in range(args.rounds) for r in round_()]
                 after, seconds = server.cpu_by_process(), time.monotonic() - start
-                table[model] = {name: 1000 * (after[name] - before.get(name, 0.0)) / responses for name in after}
-                print(f"{model}: {responses} responses in {seconds:.1f} s", flush=True)
+                failed = [r.error for r in records if r.error]
+                if failed:
+                    raise RuntimeError(f"{run.name}: {len(failed)} requests failed, first: {failed[0]}")
+                measured[run.name] = Measured({n: 1000 * (after[n] - before.get(n, 0.0)) for n in after},
+                                              tokens=len(records) * OUTPUT_TOKENS,
+                                              responses=sum(len(r.response_ns) for r in records),
+                                              requests=len(records))
+                print(f"{run.name}: {measured[run.name].responses} responses in {seconds:.1f} s", flush=True)
         finally:
             loop.close()
             server.stop()
-    write_report(args, table, profile.name)
+    write_report(args, measured, profile.name)
 
 
-def write_report(args, table: dict[str, dict[str, float]], profile_name: str) -> None:
+def write_report(args, measured: dict[str, Measured], profile_name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = sorted({n for per in table.values() for n, ms in per.items() if ms >= 0.005},
+    runs = list(measured)
+    per_token = {run: m.per_token() for run, m in measured.items()}
+    names = sorted({n for per in per_token.values() for n, ms in per.items() if ms >= 0.005},
                    key=lambda n: (bool(ENGINE_PROCESS.match(n)), n))
-    lines = [f"# Serving CPU per streamed response, by process (profile {profile_name})", "",
+    per_response, per_token_ms = split_cost([m for m in measured.values() if m is not measured[contract.LLM_MODEL]])
+    lines = [f"# Serving CPU per streamed token, by process (profile {profile_name})", "",
              f"Machine: {perf_report.machine()}. Command: `make bench-serving-cpu`. {args.concurrency} streams at "
-             f"once, {PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} greedy tokens, one response per token; one "
-             f"round per model not measured, then {args.rounds}. CPU ms of each process of tritonserver's tree "
-             "over the measured rounds, per response.", "",
-             "| process | " + " | ".join(MODELS) + " |", "|---" * (len(MODELS) + 1) + "|"]
-    lines += [f"| {n} | " + " | ".join(f"{table[m].get(n, 0.0):.3f}" for m in MODELS) + " |" for n in names]
-    serving = {m: sum(ms for n, ms in table[m].items() if not ENGINE_PROCESS.match(n)) for m in MODELS}
-    lines.append("| **serving (all but the engine)** | " + " | ".join(f"**{serving[m]:.3f}**" for m in MODELS) + " |")
+             f"once, {PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} greedy tokens each; one round per column not "
+             f"measured, then {args.rounds}. CPU ms of each process of tritonserver's tree over the measured rounds, "
+             "per streamed token (with one response per token, per response).", "",
+             "| process | " + " | ".join(runs) + " |", "|---" * (len(runs) + 1) + "|",
+             "| responses per request | " + " | ".join(f"{m.responses / m.requests:.1f}" for m in measured.values())
+             + " |"]
+    lines += [f"| {n} | " + " | ".join(f"{per_token[r].get(n, 0.0):.3f}" for r in runs) + " |" for n in names]
+    lines.append("| **serving (all but the engine)** | "
+                 + " | ".join(f"**{m.serving_ms() / m.tokens:.3f}**" for m in measured.values()) + " |")
+    lines += ["", f"The ensemble's serving CPU, fitted over its {len(runs) - 1} columns: {per_response:.2f} ms per "
+              f"response plus {per_token_ms:.2f} ms per token (a least-squares line through each column's CPU per "
+              "request against its responses per request)."]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serving_cpu.md").write_text("\n".join(lines) + "\n\n![serving cpu](serving_cpu.png)\n")
-    (args.out / "serving_cpu.json").write_text(json.dumps(table, indent=1))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    bottom = np.zeros(len(MODELS))
+    (args.out / "serving_cpu.json").write_text(json.dumps(
+        {"per_token_ms": per_token, "responses_per_request": {r: m.responses / m.requests for r, m in measured.items()},
+         "ensemble_ms_per_response": per_response, "ensemble_ms_per_token": per_token_ms}, indent=1))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    bottom = np.zeros(len(runs))
     for n in (n for n in names if not ENGINE_PROCESS.match(n)):
-        heights = np.array([table[m].get(n, 0.0) for m in MODELS])
-        ax.bar(MODELS, heights, bottom=bottom, label=n)
+        heights = np.array([per_token[r].get(n, 0.0) for r in runs])
+        ax.bar(runs, heights, bottom=bottom, label=n)
         bottom += heights
-    ax.set(ylabel="CPU ms per streamed response", title="serving CPU by process (engine processes left out)")
+    ax.set(ylabel="CPU ms per streamed token", title="serving CPU by process (engine processes left out)")
+    ax.tick_params(axis="x", labelsize=8)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out / "serving_cpu.png", dpi=110)

@@ -266,3 +266,20 @@ def test_perf_analyzer_runs_again_when_its_export_is_cut_short(tmp_path, monkeyp
     export = tmp_path / "out.json"
     export.write_text("stale")
     assert perf_analyzer.run(["-m", "ensemble"], export, tmp_path / "log") == {"experiments": []}
+
+
+def test_serving_cpu_splits_the_ensembles_cost_into_per_response_and_per_token(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "perf"))
+    import serving_cpu
+
+    def run(responses_per_request: int) -> serving_cpu.Measured:
+        requests, tokens = 24, 24 * 32
+        responses = requests * responses_per_request
+        # 0.9 ms per response and 0.3 ms per token, spread over two serving processes; the engine's is left out
+        serving = 0.9 * responses + 0.3 * tokens
+        cpu = {"tritonserver": serving / 2, "a3b_llm": serving / 2, "VLLM::EngineCore": 5000.0}
+        return serving_cpu.Measured(cpu, tokens=tokens, responses=responses, requests=requests)
+
+    per_response, per_token = serving_cpu.split_cost([run(32), run(9), run(2)])
+    assert per_response == pytest.approx(0.9) and per_token == pytest.approx(0.3)
+    assert run(32).serving_ms() / (24 * 32) == pytest.approx(1.2)
