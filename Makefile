@@ -105,7 +105,8 @@ bench-serving-path: setup model perf-tools
 bench-overhead: setup model
 	$(PY) perf/overhead.py
 
-# CPU per streamed response of each process of tritonserver's tree (stubs, engine), a3b_llm and ensemble
+# CPU per streamed token of each process of tritonserver's tree (stubs, engine): a3b_llm, ensemble and the
+# ensemble at stream_interval 4 and 32, whose cost it splits into a part per response and a part per token
 bench-serving-cpu: setup model
 	$(PY) perf/serving_cpu.py
 

@@ -36,6 +36,7 @@ RUNS = (Variant(contract.LLM_MODEL, contract.LLM_MODEL), Variant(contract.ENSEMB
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
+    model: str
     cpu_ms: dict[str, float]  # by process, over the measured rounds
     tokens: int
     responses: int
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
                 failed = [r.error for r in records if r.error]
                 if failed:
                     raise RuntimeError(f"{run.name}: {len(failed)} requests failed, first: {failed[0]}")
-                measured[run.name] = Measured({n: 1000 * (after[n] - before.get(n, 0.0)) for n in after},
+                measured[run.name] = Measured(run.model, {n: 1000 * (after[n] - before.get(n, 0.0)) for n in after},
                                               tokens=len(records) * OUTPUT_TOKENS,
                                               responses=sum(len(r.response_ns) for r in records),
                                               requests=len(records))
@@ -106,10 +107,11 @@ def write_report(args, measured: dict[str, Measured], profile_name: str) -> None
     import matplotlib.pyplot as plt
 
     runs = list(measured)
-    per_token = {run: m.per_token() for run, m in measured.items()}
-    names = sorted({n for per in per_token.values() for n, ms in per.items() if ms >= 0.005},
+    by_process = {run: m.per_token() for run, m in measured.items()}
+    names = sorted({n for per in by_process.values() for n, ms in per.items() if ms >= 0.005},
                    key=lambda n: (bool(ENGINE_PROCESS.match(n)), n))
-    per_response, per_token_ms = split_cost([m for m in measured.values() if m is not measured[contract.LLM_MODEL]])
+    ensemble_runs = [m for m in measured.values() if m.model == contract.ENSEMBLE_MODEL]
+    per_response, per_token_ms = split_cost(ensemble_runs)
     lines = [f"# Serving CPU per streamed token, by process (profile {profile_name})", "",
              f"Machine: {perf_report.machine()}. Command: `make bench-serving-cpu`. {args.concurrency} streams at "
              f"once, {PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} greedy tokens each; one round per column not "
@@ -118,21 +120,22 @@ def write_report(args, measured: dict[str, Measured], profile_name: str) -> None
              "| process | " + " | ".join(runs) + " |", "|---" * (len(runs) + 1) + "|",
              "| responses per request | " + " | ".join(f"{m.responses / m.requests:.1f}" for m in measured.values())
              + " |"]
-    lines += [f"| {n} | " + " | ".join(f"{per_token[r].get(n, 0.0):.3f}" for r in runs) + " |" for n in names]
+    lines += [f"| {n} | " + " | ".join(f"{by_process[r].get(n, 0.0):.3f}" for r in runs) + " |" for n in names]
     lines.append("| **serving (all but the engine)** | "
                  + " | ".join(f"**{m.serving_ms() / m.tokens:.3f}**" for m in measured.values()) + " |")
-    lines += ["", f"The ensemble's serving CPU, fitted over its {len(runs) - 1} columns: {per_response:.2f} ms per "
-              f"response plus {per_token_ms:.2f} ms per token (a least-squares line through each column's CPU per "
-              "request against its responses per request)."]
+    lines += ["", f"The ensemble's serving CPU, fitted over its {len(ensemble_runs)} columns: "
+              f"{per_response:.2f} ms per response plus {per_token_ms:.2f} ms per token (a least-squares line "
+              "through each column's CPU per request against its responses per request)."]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serving_cpu.md").write_text("\n".join(lines) + "\n\n![serving cpu](serving_cpu.png)\n")
     (args.out / "serving_cpu.json").write_text(json.dumps(
-        {"per_token_ms": per_token, "responses_per_request": {r: m.responses / m.requests for r, m in measured.items()},
+        {"per_token_ms": by_process,
+         "responses_per_request": {r: m.responses / m.requests for r, m in measured.items()},
          "ensemble_ms_per_response": per_response, "ensemble_ms_per_token": per_token_ms}, indent=1))
     fig, ax = plt.subplots(figsize=(9, 4.5))
     bottom = np.zeros(len(runs))
     for n in (n for n in names if not ENGINE_PROCESS.match(n)):
-        heights = np.array([per_token[r].get(n, 0.0) for r in runs])
+        heights = np.array([by_process[r].get(n, 0.0) for r in runs])
         ax.bar(runs, heights, bottom=bottom, label=n)
         bottom += heights
     ax.set(ylabel="CPU ms per streamed token", title="serving CPU by process (engine processes left out)")

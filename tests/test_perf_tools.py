@@ -278,7 +278,7 @@ def test_serving_cpu_splits_the_ensembles_cost_into_per_response_and_per_token(m
         # 0.9 ms per response and 0.3 ms per token, spread over two serving processes; the engine's is left out
         serving = 0.9 * responses + 0.3 * tokens
         cpu = {"tritonserver": serving / 2, "a3b_llm": serving / 2, "VLLM::EngineCore": 5000.0}
-        return serving_cpu.Measured(cpu, tokens=tokens, responses=responses, requests=requests)
+        return serving_cpu.Measured("ensemble", cpu, tokens=tokens, responses=responses, requests=requests)
 
     per_response, per_token = serving_cpu.split_cost([run(32), run(9), run(2)])
     assert per_response == pytest.approx(0.9) and per_token == pytest.approx(0.3)
