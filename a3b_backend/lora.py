@@ -5,11 +5,14 @@ directory; a request picks one with `sampling_parameters.lora_name`.
 `a3b-render --lora NAME=DIR` writes both files for `a3b_llm` (which serves the
 adapters) and `ensemble` (where Triton's OpenAI frontend looks up LoRA names).
 
-A calibrated A3B checkpoint has AWQ scales folded into its RMSNorms, so the
-q/k/v and gate/up projections read their input divided by a per-channel scale.
-An adapter trained on the source model expects the undivided input; its A
-matrices are multiplied by the same scales (A s . x/s = A x) into a copy the
-engine loads, so adapters work unchanged on the quantized model.
+A calibrated A3B checkpoint has AWQ scales folded into its RMSNorms and its
+up_proj rows, so the q/k/v, gate/up and down projections read their input
+divided by a per-channel scale, and up_proj gives its output divided by the
+down_proj's. An adapter trained on the source model expects the undivided
+input and gives the undivided output; its A matrices are multiplied by the
+input scales (A s . x/s = A x) and up_proj's B rows divided by the row
+divisors into a copy the engine loads, so adapters work unchanged on the
+quantized model.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
-from a3b_backend.quant.convert import INPUT_SCALES_FILE
+from a3b_backend.quant.convert import INPUT_SCALES_FILE, ROW_DIVISORS_FILE
 from a3b_backend.triton_io import RequestError
 
 if TYPE_CHECKING:
@@ -33,7 +36,7 @@ MULTI_LORA_JSON = "multi_lora.json"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # PEFT names an adapter tensor base_model.model.<module>.lora_A.weight
-PEFT_PREFIX, LORA_A_SUFFIX = "base_model.model.", ".lora_A.weight"
+PEFT_PREFIX, LORA_A_SUFFIX, LORA_B_SUFFIX = "base_model.model.", ".lora_A.weight", ".lora_B.weight"
 
 
 class AdapterError(ValueError):
@@ -74,14 +77,19 @@ def adapter_rank(adapter_dir: Path) -> int:
     return max([int(config["r"]), *(int(r) for r in (config.get("rank_pattern") or {}).values())])
 
 
-def fold_input_scales(src: Path, dst: Path, scales: dict[str, torch.Tensor]) -> int:
-    """Copy an adapter with each scaled module's A multiplied by its input scale; -> modules changed."""
+def fold_scales(src: Path, dst: Path, scales: dict[str, torch.Tensor],
+                row_divisors: dict[str, torch.Tensor]) -> int:
+    """Copy an adapter with each scaled module's A multiplied by its input scale and each
+    row-divided module's B rows divided by its divisors; -> tensors changed."""
     weights = load_file(src / ADAPTER_WEIGHTS)
     changed = 0
     for key, tensor in weights.items():
-        module = key.removeprefix(PEFT_PREFIX).removesuffix(LORA_A_SUFFIX)
+        module = key.removeprefix(PEFT_PREFIX).removesuffix(LORA_A_SUFFIX).removesuffix(LORA_B_SUFFIX)
         if key.endswith(LORA_A_SUFFIX) and module in scales:
             weights[key] = (tensor.float() * scales[module]).to(tensor.dtype)
+            changed += 1
+        elif key.endswith(LORA_B_SUFFIX) and module in row_divisors:
+            weights[key] = (tensor.float() / row_divisors[module][:, None]).to(tensor.dtype)
             changed += 1
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copy2(src / ADAPTER_CONFIG, dst / ADAPTER_CONFIG)
@@ -98,8 +106,10 @@ class Adapters:
     @classmethod
     def prepare(cls, listed: dict[str, Path], model_dir: Path, work_dir: Path, max_rank: int) -> "Adapters":
         """Check every listed adapter against the profile's limits; fold the checkpoint's input scales in."""
-        scales_file = model_dir / INPUT_SCALES_FILE
+        scales_file, divisors_file = model_dir / INPUT_SCALES_FILE, model_dir / ROW_DIVISORS_FILE
         scales = load_file(scales_file) if scales_file.exists() else {}
+        # a checkpoint converted before down_proj's scales were folded has none
+        row_divisors = load_file(divisors_file) if divisors_file.exists() else {}
         quantization = json.loads((model_dir / "config.json").read_text()).get("quantization_config", {})
         if listed and quantization.get("calibrated") and not scales:
             raise AdapterError(f"{model_dir} was calibrated but has no {INPUT_SCALES_FILE} (converted by an older "
@@ -114,7 +124,7 @@ class Adapters:
                 raise AdapterError(f"LoRA adapter '{name}' has rank {rank}; the profile allows at most "
                                    f"{max_rank} (max_lora_rank)")
             if scales:
-                fold_input_scales(path, work_dir / name, scales)
+                fold_scales(path, work_dir / name, scales, row_divisors)
                 path = work_dir / name
             paths[name] = path
         return cls(paths)

@@ -68,15 +68,15 @@ def test_config_read_like_vllm_backend(tmp_path):
         lora.read_config(tmp_path, tmp_path)
 
 
-def test_folded_adapter_reads_divided_inputs_as_the_original_reads_the_inputs(tmp_path):
+def test_folded_adapter_reads_divided_inputs_and_gives_divided_outputs(tmp_path):
     src = adapter(tmp_path / "src")
-    scale = torch.rand(6) + 0.5
-    assert lora.fold_input_scales(src, tmp_path / "dst", {MODULE: scale}) == 1
+    scale, divisor = torch.rand(6) + 0.5, torch.rand(5) + 0.5
+    assert lora.fold_scales(src, tmp_path / "dst", {MODULE: scale}, {MODULE: divisor}) == 2
     before, after = load_file(src / lora.ADAPTER_WEIGHTS), load_file(tmp_path / "dst" / lora.ADAPTER_WEIGHTS)
-    key = f"base_model.model.{MODULE}.lora_A.weight"
+    a, b = (f"base_model.model.{MODULE}.lora_{m}.weight" for m in "AB")
     x = torch.randn(3, 6)
-    torch.testing.assert_close((x / scale) @ after[key].T, x @ before[key].T)
-    for other in set(before) - {key}:  # B and unscaled modules are copied as they are
+    torch.testing.assert_close((x / scale) @ after[a].T @ after[b].T, x @ before[a].T @ before[b].T / divisor)
+    for other in set(before) - {a, b}:  # unscaled modules are copied as they are
         assert torch.equal(before[other], after[other])
     assert (tmp_path / "dst" / lora.ADAPTER_CONFIG).read_text() == (src / lora.ADAPTER_CONFIG).read_text()
 

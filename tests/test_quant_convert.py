@@ -7,7 +7,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from a3b_backend.quant.convert import INPUT_SCALES_FILE, ConversionError, convert, fold_norm_scale
+from a3b_backend.quant.convert import (INPUT_SCALES_FILE, ROW_DIVISORS_FILE, ConversionError, convert,
+                                      fold_norm_scale)
 from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
 
 CONFIG = A3BConfig(1, 32, iterations=2)  # the converter tests' quantizer
@@ -107,6 +108,9 @@ def test_calibrated_checkpoint_computes_what_the_source_does(tmp_path, tokenizer
     q, k = scales[f"{layer}.self_attn.q_proj"], scales[f"{layer}.self_attn.k_proj"]
     assert torch.equal(q, k)
     assert torch.equal(fold_norm_scale(tensors(src)[norm], q, model_type != "llama"), tensors(dst)[norm])
+    # down_proj's scale went into up_proj's rows (a dense MLP, or the MoE block's shared expert)
+    mlp = f"{layer}.mlp" + ("" if model_type == "llama" else ".shared_expert")
+    assert torch.equal(load_file(dst / ROW_DIVISORS_FILE)[f"{mlp}.up_proj"], scales[f"{mlp}.down_proj"])
 
 
 @pytest.mark.parametrize("model_type, extra", [("llama", {}), ("qwen3_5_moe_text", QWEN35)])

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from a3b_backend import repository
 from a3b_backend.bench import server_process
 from a3b_backend.quant import calibrate
-from a3b_backend.quant.convert import INPUT_SCALES_FILE
+from a3b_backend.quant.convert import INPUT_SCALES_FILE, ROW_DIVISORS_FILE
 from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
 from served import stream_infer, text_request, texts
 
@@ -66,7 +66,8 @@ def lora_server(tmp_path_factory, adapter_dir):
 def served_model_unfolded():
     """transformers' model computing what the engine serves, float32: the A3B
     weights dequantized, with the AWQ input scales moved back out of the norms
-    (W / s, norm * s), so it reads the inputs an adapter was trained on."""
+    (W / s, norm * s) and out of up_proj's rows (down_proj's W / s, up_proj's
+    rows * s), so it reads the inputs an adapter was trained on."""
     import json
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -75,15 +76,16 @@ def served_model_unfolded():
     a3b = A3BConfig.from_json(config["quantization_config"])
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(SOURCE), dtype=torch.float32).eval()
     stored = load_file(SERVED / "model.safetensors")
-    scales = load_file(SERVED / INPUT_SCALES_FILE)
+    scales, divisors = load_file(SERVED / INPUT_SCALES_FILE), load_file(SERVED / ROW_DIVISORS_FILE)
     # the linears of one norm share its scale
-    norm_scale = {f"{calibrate.norm_for(m)}.weight": s for m, s in scales.items()}
+    norm_scale = {f"{calibrate.norm_for(m)}.weight": s for m, s in scales.items() if calibrate.FOLDABLE.search(m)}
     state = {}
     for name in model.state_dict():
         module = name.removesuffix(".weight")
         if f"{name}_packed" in stored:
             weight = dequantize(A3BWeight.from_tensors(stored, name), a3b)
-            state[name] = weight / scales[module] if module in scales else weight
+            weight = weight / scales[module] if module in scales else weight
+            state[name] = weight * divisors[module][:, None] if module in divisors else weight
         elif name in norm_scale:
             state[name] = stored[name].float() * norm_scale[name]
         elif name == "lm_head.weight":

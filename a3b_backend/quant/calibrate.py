@@ -8,8 +8,11 @@ value of each input channel over calibration text. Two uses:
   columns before quantizing; W ~ Q(W diag(s)) diag(1/s), alpha searched per
   layer group for the lowest output error. Only where 1/s folds
   into the preceding RMSNorm (q/k/v after input_layernorm, gate/up after
-  post_attention_layernorm, which share their input and so their s); other
-  layers get the importance weighting alone, so no runtime op is needed.
+  post_attention_layernorm, which share their input and so their s), and for
+  down_proj, whose input act(gate) * up is divided by s when up_proj's rows
+  are (a row factor that A3B's per-row table scales hold exactly in 1xC
+  blocks); other layers get the importance weighting alone, so no runtime op
+  is needed.
 
 MoE experts are fitted on expert-agnostic statistics: a routed expert sees
 only the few calibration tokens sent to it, too few to weight its columns by,
@@ -46,6 +49,9 @@ ALPHAS = (0.0, 0.25, 0.5, 0.75)
 # (dense decoder layers; MoE experts share their norm with the router).
 FOLDABLE = re.compile(r"\.layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj)|mlp\.(gate_proj|up_proj))$")
 NORM_OF = {"self_attn": "input_layernorm", "mlp": "post_attention_layernorm"}
+# A dense or shared-expert MLP's down_proj: up_proj's rows absorb 1/s (routed
+# experts' down projections have no importance statistics of their own).
+ROW_FOLDABLE = re.compile(r"^(.*\.layers\.\d+\.mlp(?:\.shared_expert)?)\.down_proj$")
 # An expert's projections that read its MoE block's input (group 1: the block).
 EXPERT_INPUT = re.compile(r"^(.*)\.experts\.\d+\.(gate_proj|up_proj)$")
 
@@ -120,6 +126,16 @@ def groups(names: list[str]) -> dict[str, list[str]]:
     for name in names:
         if FOLDABLE.search(name):
             out.setdefault(norm_for(name), []).append(name)
+    return out
+
+
+def row_folds(names: list[str]) -> dict[str, str]:
+    """down_proj -> the up_proj whose rows absorb its AWQ scale, where both are quantized."""
+    out, present = {}, set(names)
+    for name in names:
+        match = ROW_FOLDABLE.match(name)
+        if match and f"{match.group(1)}.up_proj" in present:
+            out[name] = f"{match.group(1)}.up_proj"
     return out
 
 

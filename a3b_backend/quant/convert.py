@@ -14,9 +14,11 @@ read and written shard by shard, so memory holds one shard, not the model.
 With --calibration-text the source model is run once over that text (this
 needs it in memory) for activation statistics: importance-weighted fits for
 every layer, AWQ scales (alpha searched per layer group) where they fold into
-an RMSNorm. Folding divides those layers' inputs by the scale, so the scales
-are kept (`INPUT_SCALES_FILE`, per linear): a LoRA adapter trained on the
-source model reads them to see the inputs it was trained on (a3b_backend/lora.py).
+an RMSNorm, and for each MLP's down_proj, folded into its up_proj's rows.
+Folding divides those layers' inputs by the scale, so the scales are kept
+(`INPUT_SCALES_FILE`, per linear, and `ROW_DIVISORS_FILE`, per up_proj): a
+LoRA adapter trained on the source model reads them to see the inputs and
+give the outputs it was trained on (a3b_backend/lora.py).
 --rounding gptq also collects each linear's input Hessian and chooses the
 codes with error compensation (a3b_backend/quant/gptq.py); routed experts keep
 nearest rounding on their MoE block's statistics.
@@ -52,6 +54,7 @@ STACKED_EXPERTS = re.compile(r"\.layers\.\d+\..*experts\.(gate_up_proj|gate_proj
 ZERO_CENTRED_NORMS = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text", "qwen3_next")
 # Outside the top level, where vLLM loads every *.safetensors file as weights.
 INPUT_SCALES_FILE = "a3b/input_scales.safetensors"
+ROW_DIVISORS_FILE = "a3b/row_divisors.safetensors"
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                 "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
 
@@ -68,16 +71,24 @@ Rounding = Literal["nearest", "gptq"]
 @dataclasses.dataclass(frozen=True)
 class LinearCalibration:
     importance: torch.Tensor  # per input channel, E[x^2]
-    scale: torch.Tensor | None = None  # AWQ scale folded into the RMSNorm before it
+    scale: torch.Tensor | None = None  # AWQ scale folded into what produces the input (an RMSNorm or up_proj)
     hessian: torch.Tensor | None = None  # E[x x^T], for gptq rounding
+    row_divisor: torch.Tensor | None = None  # up_proj: the next down_proj's AWQ scale, divided out of its rows
 
     def scaled(self, weight: torch.Tensor) -> tuple[torch.Tensor, "LinearCalibration"]:
         """The weight the checkpoint stores and the statistics of the inputs it then reads (x / scale)."""
+        if self.row_divisor is not None:
+            weight = weight / self.row_divisor[:, None]
         if self.scale is None:
             return weight, self
         s = self.scale
         hessian = None if self.hessian is None else self.hessian / (s[:, None] * s[None, :])
         return weight * s, LinearCalibration(self.importance / s**2, None, hessian)
+
+    def source(self, stored: torch.Tensor) -> torch.Tensor:
+        """A stored weight (`scaled`'s) in the source's scale."""
+        weight = stored if self.scale is None else stored / self.scale
+        return weight if self.row_divisor is None else weight * self.row_divisor[:, None]
 
 
 def check_paths(src: Path, dst: Path) -> dict:
@@ -124,6 +135,11 @@ def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BCo
         scale = calibrate.choose_scale({m: linears[m].weight for m in members}, stats[members[0]], quant_dequant)
         per_norm[norm] = scale
         per_linear.update({m: dataclasses.replace(per_linear[m], scale=scale) for m in members})
+    for down, up in tqdm(calibrate.row_folds(list(stats)).items(), desc="searching down_proj AWQ scales",
+                         unit="layer"):
+        scale = calibrate.choose_scale({down: linears[down].weight}, stats[down], quant_dequant)
+        per_linear[down] = dataclasses.replace(per_linear[down], scale=scale)
+        per_linear[up] = dataclasses.replace(per_linear[up], row_divisor=scale)
     return per_linear, per_norm
 
 
@@ -215,11 +231,12 @@ def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | No
             "quantized_layers": calibrate.QUANTIZED.pattern,
         }
         (partial / "config.json").write_text(json.dumps(model_config, indent=2))
-        input_scales = {module: c.scale for module, c in calibration.items() if c.scale is not None}
-        if input_scales:
-            (partial / INPUT_SCALES_FILE).parent.mkdir()
-            # clones: the linears of one norm share its scale, and safetensors refuses shared storage
-            save_file({m: s.clone() for m, s in input_scales.items()}, partial / INPUT_SCALES_FILE)
+        for path, field in ((INPUT_SCALES_FILE, "scale"), (ROW_DIVISORS_FILE, "row_divisor")):
+            kept = {module: getattr(c, field) for module, c in calibration.items() if getattr(c, field) is not None}
+            if kept:
+                (partial / path).parent.mkdir(exist_ok=True)
+                # clones: the linears of one norm share its scale, and safetensors refuses shared storage
+                save_file({m: s.clone() for m, s in kept.items()}, partial / path)
         for fname in COPIED_FILES:
             if (src / fname).exists():
                 shutil.copy2(src / fname, partial / fname)

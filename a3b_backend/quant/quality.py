@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from a3b_backend.quant import calibrate
 from a3b_backend.quant.baselines import RtnConfig, quantize_dequantize
-from a3b_backend.quant.convert import fold_norm_scale
+from a3b_backend.quant.convert import LinearCalibration, fold_norm_scale
 from a3b_backend.quant.format import A3BConfig, dequantize, quantize
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,12 +118,14 @@ def perplexity(model, ids: torch.Tensor) -> float:
 def apply_variant(model, originals, stats, variant: Variant, stored_dtype: torch.dtype) -> dict:
     """Quantizes the model's linears in place (those `variant.layers` selects). AWQ
     scales are applied as the converter stores them: the linears keep the scaled
-    weights and each RMSNorm is divided by its scale in the checkpoint's dtype; a
-    linear left unquantized beside a selected one reads the same norm, so it keeps
-    its source weight times the scale."""
+    weights, each RMSNorm is divided by its scale in the checkpoint's dtype and each
+    up_proj's rows by its down_proj's scale; a linear left unquantized beside a
+    selected one reads the same norm (or feeds the same down_proj), so it keeps its
+    source weight scaled."""
     linears = calibrate.quantized_linears(model)
     selected = {n for n in linears if variant.layers is None or re.search(variant.layers, n)}
     scales: dict[str, torch.Tensor] = {}
+    row_divisors: dict[str, torch.Tensor] = {}
     if variant.aware:
         norm_groups = calibrate.groups(list(linears))
         quant_dequant = lambda name, w, importance: variant.run(name, w, importance)[0]  # noqa: E731
@@ -133,22 +135,24 @@ def apply_variant(model, originals, stats, variant: Variant, stored_dtype: torch
             scales.update({m: s for m in norm_groups[norm]})
             weight = model.get_parameter(f"{norm}.weight")
             weight.copy_(fold_norm_scale(weight.to(stored_dtype), s, zero_centred=False).float())
+        for down, up in calibrate.row_folds(sorted(linears)).items():
+            if down in selected:
+                s = calibrate.choose_scale({down: originals[down]}, stats[down], quant_dequant)
+                scales[down], row_divisors[up] = s, s
     nbytes, weights, rel_errors = 0, 0, []
     for name, module in tqdm(linears.items(), desc=variant.name, unit="linear", leave=False):
         w = originals[name]
-        scale = scales.get(name)
+        calibration = LinearCalibration(stats[name].importance, scales.get(name), row_divisor=row_divisors.get(name))
+        stored, reads = calibration.scaled(w)
         if name not in selected:
-            module.weight.copy_(w if scale is None else w * scale)
+            module.weight.copy_(stored)
             continue
-        importance = None
-        if variant.aware:
-            importance = stats[name].importance if scale is None else stats[name].importance / scale**2
-        deq, size = variant.run(name, w if scale is None else w * scale, importance)
+        deq, size = variant.run(name, stored, reads.importance if variant.aware else None)
         module.weight.copy_(deq.to(module.weight.dtype))
         nbytes += size
         weights += w.numel()
         # the weight error is taken against the source, in its own scale
-        rel_errors.append(((deq if scale is None else deq / scale) - w).norm().item() / w.norm().item())
+        rel_errors.append((calibration.source(deq) - w).norm().item() / w.norm().item())
     return {"bits_per_weight": 8 * nbytes / weights, "quantized_bytes": nbytes,
             "weight_error": sum(rel_errors) / len(rel_errors)}
 
@@ -245,9 +249,10 @@ def write_report(rows: list[dict], args, tokenizer_name: str, eval_tokens: int, 
         "the comparison towards formats whose grid can land on the old one. INT4 RTN g32 has the GGUF's block "
         "size but an integer zero-point, so it does not reproduce the old grid exactly (see its row).", "",
         "`+ calib`: activation-aware (importance-weighted fit for every layer; AWQ scales for q/k/v and gate/up, "
-        "alpha searched per layer group for the lowest output error, folded into their RMSNorm). `+ AWQ`: AWQ "
-        "scales searched the same way for RTN, then plain RTN. Both as the converter stores them: the linears "
-        "keep the scaled weights and each RMSNorm is divided by its scale in the checkpoint's dtype.", "",
+        "alpha searched per layer group for the lowest output error, folded into their RMSNorm, and for down_proj, "
+        "folded into up_proj's rows). `+ AWQ`: AWQ scales searched the same way for RTN, then plain RTN. Both as "
+        "the converter stores them: the linears keep the scaled weights and each RMSNorm is divided by its scale "
+        "in the checkpoint's dtype.", "",
         "| variant | bits/weight (measured) | perplexity | delta vs bf16 | mean rel. weight error | file size (MB) |",
         "|---|---|---|---|---|---|",
     ]
