@@ -256,7 +256,7 @@ def test_experts_are_fitted_on_their_moe_blocks_input(tmp_path, tokenizer, model
     calibration = {name: converter.LinearCalibration(st.importance) for name, st in stats.items()}
     w = torch.randn(32, 64)
     name = f"{block}.experts.2.gate_proj.weight"
-    fitted = converter._quantized(name, w, CONFIG, calibration)
+    fitted = converter.quantize_linear(name, w, CONFIG, calibration).tensors(name)
     expected = quantize(w, CONFIG, col_importance=stats[block].importance, name=name).tensors(name)
     assert all(torch.equal(fitted[k], expected[k]) for k in expected)
     plain = quantize(w, CONFIG, name=name).tensors(name)

@@ -21,7 +21,10 @@ LoRA adapter trained on the source model reads them to see the inputs and
 give the outputs it was trained on (a3b_backend/lora.py).
 --rounding gptq also collects each linear's input Hessian and chooses the
 codes with error compensation (a3b_backend/quant/gptq.py); routed experts keep
-nearest rounding on their MoE block's statistics.
+nearest rounding on their MoE block's statistics. Then the quantized linears'
+row scales are tuned end to end against the source model over the same text
+(--tune-epochs passes, a3b_backend/quant/tune.py; 0 skips it; routed experts
+stored stacked keep their fitted scales).
 
 The result is written to DST_DIR.partial and renamed to DST_DIR only when
 complete, so a failed run never leaves a checkpoint that looks whole.
@@ -44,8 +47,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from a3b_backend.quant import calibrate
-from a3b_backend.quant.format import A3BConfig, QuantizationError, dequantize, quantize
+from a3b_backend.quant.format import A3BConfig, A3BWeight, QuantizationError, dequantize, quantize
 from a3b_backend.quant.gptq import quantize_gptq
+from a3b_backend.quant.tune import TuneConfig, tune_scales
 
 KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 # Experts stored stacked as 3-D tensors [experts, out, in] in some checkpoints.
@@ -74,6 +78,7 @@ class LinearCalibration:
     scale: torch.Tensor | None = None  # AWQ scale folded into what produces the input (an RMSNorm or up_proj)
     hessian: torch.Tensor | None = None  # E[x x^T], for gptq rounding
     row_divisor: torch.Tensor | None = None  # up_proj: the next down_proj's AWQ scale, divided out of its rows
+    tuned: A3BWeight | None = None  # the weight quantized, its row scales tuned end to end
 
     def scaled(self, weight: torch.Tensor) -> tuple[torch.Tensor, "LinearCalibration"]:
         """The weight the checkpoint stores and the statistics of the inputs it then reads (x / scale)."""
@@ -115,9 +120,10 @@ def check_paths(src: Path, dst: Path) -> dict:
 
 
 def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BConfig,
-                          rounding: Rounding = "nearest") -> tuple[dict[str, LinearCalibration], dict]:
-    """Per-linear statistics and AWQ scales, and per-norm scales to divide by."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+                          rounding: Rounding = "nearest", tune: TuneConfig | None = TuneConfig(),
+                          zero_centred_norms: bool = False) -> tuple[dict[str, LinearCalibration], dict]:
+    """Per-linear statistics, AWQ scales and (with `tune`) tuned weights, and per-norm scales to divide by."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(src)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval().requires_grad_(False)
@@ -140,19 +146,32 @@ def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BCo
         scale = calibrate.choose_scale({down: linears[down].weight}, stats[down], quant_dequant)
         per_linear[down] = dataclasses.replace(per_linear[down], scale=scale)
         per_linear[up] = dataclasses.replace(per_linear[up], row_divisor=scale)
+    if tune is not None and tune.epochs > 0:
+        student = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+        stored_dtype = AutoConfig.from_pretrained(src).dtype
+        with torch.no_grad():
+            for norm, scale in per_norm.items():  # the norms as the checkpoint stores them
+                weight = student.get_parameter(f"{norm}.weight")
+                weight.copy_(fold_norm_scale(weight.to(stored_dtype), scale, zero_centred_norms).float())
+        weights = {name: quantize_linear(f"{name}.weight", linear.weight, config, per_linear)
+                   for name, linear in tqdm(linears.items(), desc="quantizing to tune", unit="linear")}
+        tuned = tune_scales(model, student, weights, config, ids, tune)
+        per_linear.update({name: dataclasses.replace(per_linear[name], tuned=w) for name, w in tuned.items()})
     return per_linear, per_norm
 
 
-def _quantized(name: str, tensor: torch.Tensor, config: A3BConfig,
-               calibration: dict[str, LinearCalibration]) -> dict[str, torch.Tensor]:
+def quantize_linear(name: str, tensor: torch.Tensor, config: A3BConfig,
+                    calibration: dict[str, LinearCalibration]) -> A3BWeight:
     module = name.removesuffix(".weight")
     found = calibration.get(module) or calibration.get(calibrate.expert_input_stats(module))
     if found is None:
-        return quantize(tensor.float(), config, name=name).tensors(name)
+        return quantize(tensor.float(), config, name=name)
+    if found.tuned is not None:
+        return found.tuned
     w, stats = found.scaled(tensor.float())
     if stats.hessian is not None:
-        return quantize_gptq(w, config, stats.hessian, name=name).tensors(name)
-    return quantize(w, config, col_importance=stats.importance, name=name).tensors(name)
+        return quantize_gptq(w, config, stats.hessian, name=name)
+    return quantize(w, config, col_importance=stats.importance, name=name)
 
 
 def per_expert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -186,14 +205,15 @@ def convert_tensor(name: str, tensor: torch.Tensor, config: A3BConfig, calibrati
             count += n
         return out, count
     if name.endswith(".weight") and tensor.ndim == 2 and calibrate.is_quantized(module):
-        return _quantized(name, tensor, config, calibration), tensor.numel()
+        return quantize_linear(name, tensor, config, calibration).tensors(name), tensor.numel()
     if module in norm_scales:
         return {name: fold_norm_scale(tensor, norm_scales[module], zero_centred_norms)}, 0
     return {name: tensor}, 0
 
 
 def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | None = None,
-            calibration_tokens: int = 2048, rounding: Rounding = "nearest") -> Path:
+            calibration_tokens: int = 2048, rounding: Rounding = "nearest", tune: TuneConfig | None = TuneConfig()
+            ) -> Path:
     model_config = check_paths(src, dst)
     zero_centred = model_config.get("model_type") in ZERO_CENTRED_NORMS
     calibration, norm_scales = ({}, {})
@@ -201,7 +221,7 @@ def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | No
         raise ConversionError("--rounding gptq needs --calibration-text (its Hessians come from calibration)")
     if calibration_text is not None:
         calibration, norm_scales = calibration_transform(src, calibration_text, calibration_tokens, config,
-                                                         rounding)
+                                                         rounding, tune, zero_centred)
     partial = dst.with_name(dst.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -228,6 +248,7 @@ def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | No
                 json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1))
         model_config["quantization_config"] = {
             **config.to_json(), "calibrated": calibration_text is not None, "rounding": rounding,
+            "tuned_epochs": tune.epochs if calibration_text is not None and tune is not None else 0,
             "quantized_layers": calibrate.QUANTIZED.pattern,
         }
         (partial / "config.json").write_text(json.dumps(model_config, indent=2))
@@ -264,10 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration-tokens", type=int, default=2048)
     parser.add_argument("--rounding", choices=get_args(Rounding), default="nearest",
                         help="gptq: error-compensating rounding in column order (needs --calibration-text)")
+    parser.add_argument("--tune-epochs", type=int, default=TuneConfig.epochs,
+                        help="passes over the calibration text tuning the row scales end to end (0: none)")
     args = parser.parse_args(argv)
     try:
         config = A3BConfig(args.block_shape[0], args.block_shape[1], iterations=args.iterations)
-        convert(args.src, args.dst, config, args.calibration_text, args.calibration_tokens, args.rounding)
+        convert(args.src, args.dst, config, args.calibration_text, args.calibration_tokens, args.rounding,
+                TuneConfig(epochs=args.tune_epochs))
     except (ConversionError, QuantizationError) as exc:
         print(f"a3b-quantize: error: {exc}", file=sys.stderr)
         return 2
