@@ -120,9 +120,9 @@ def check_paths(src: Path, dst: Path) -> dict:
 
 
 def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BConfig,
-                          rounding: Rounding = "nearest", tune: TuneConfig | None = TuneConfig(),
+                          rounding: Rounding = "nearest", tune: TuneConfig = TuneConfig(),
                           zero_centred_norms: bool = False) -> tuple[dict[str, LinearCalibration], dict]:
-    """Per-linear statistics, AWQ scales and (with `tune`) tuned weights, and per-norm scales to divide by."""
+    """Per-linear statistics, AWQ scales and tuned weights, and per-norm scales to divide by."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(src)
@@ -146,7 +146,7 @@ def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BCo
         scale = calibrate.choose_scale({down: linears[down].weight}, stats[down], quant_dequant)
         per_linear[down] = dataclasses.replace(per_linear[down], scale=scale)
         per_linear[up] = dataclasses.replace(per_linear[up], row_divisor=scale)
-    if tune is not None and tune.epochs > 0:
+    if tune.epochs > 0:
         student = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
         stored_dtype = AutoConfig.from_pretrained(src).dtype
         with torch.no_grad():
@@ -212,8 +212,7 @@ def convert_tensor(name: str, tensor: torch.Tensor, config: A3BConfig, calibrati
 
 
 def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | None = None,
-            calibration_tokens: int = 2048, rounding: Rounding = "nearest", tune: TuneConfig | None = TuneConfig()
-            ) -> Path:
+            calibration_tokens: int = 2048, rounding: Rounding = "nearest", tune: TuneConfig = TuneConfig()) -> Path:
     model_config = check_paths(src, dst)
     zero_centred = model_config.get("model_type") in ZERO_CENTRED_NORMS
     calibration, norm_scales = ({}, {})
@@ -248,7 +247,7 @@ def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | No
                 json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1))
         model_config["quantization_config"] = {
             **config.to_json(), "calibrated": calibration_text is not None, "rounding": rounding,
-            "tuned_epochs": tune.epochs if calibration_text is not None and tune is not None else 0,
+            "tuned_epochs": tune.epochs if calibration_text is not None else 0,
             "quantized_layers": calibrate.QUANTIZED.pattern,
         }
         (partial / "config.json").write_text(json.dumps(model_config, indent=2))
