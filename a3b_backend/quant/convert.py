@@ -32,6 +32,7 @@ complete, so a failed run never leaves a checkpoint that looks whole.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -147,7 +148,7 @@ def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BCo
         per_linear[down] = dataclasses.replace(per_linear[down], scale=scale)
         per_linear[up] = dataclasses.replace(per_linear[up], row_divisor=scale)
     if tune.epochs > 0:
-        student = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+        student = copy.deepcopy(model)
         stored_dtype = AutoConfig.from_pretrained(src).dtype
         with torch.no_grad():
             for norm, scale in per_norm.items():  # the norms as the checkpoint stores them

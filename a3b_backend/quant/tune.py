@@ -34,10 +34,10 @@ class RowScaledLinear(torch.nn.Module):
         super().__init__()
         ones, zeros = torch.ones_like(weight.lo_scale), torch.zeros_like(weight.lo_scale)
         # dequantize is linear in the two scales: W = lo_scale * L + step_scale * S per block row
-        part = lambda lo_scale, step_scale: dequantize(  # noqa: E731
-            dataclasses.replace(weight, lo_scale=lo_scale, step_scale=step_scale), config)
-        self.register_buffer("lo_part", part(ones, zeros))
-        self.register_buffer("step_part", part(zeros, ones))
+        self.register_buffer("lo_part", dequantize(dataclasses.replace(weight, lo_scale=ones, step_scale=zeros),
+                                                   config))
+        self.register_buffer("step_part", dequantize(dataclasses.replace(weight, lo_scale=zeros, step_scale=ones),
+                                                     config))
         self.register_buffer("fitted", torch.stack([weight.lo_scale.float(), weight.step_scale.float()]))
         self.log_gain = torch.nn.Parameter(torch.zeros_like(self.fitted))
         self.block_rows = config.block_rows
