@@ -22,9 +22,10 @@ give the outputs it was trained on (a3b_backend/lora.py).
 --rounding gptq also collects each linear's input Hessian and chooses the
 codes with error compensation (a3b_backend/quant/gptq.py); routed experts keep
 nearest rounding on their MoE block's statistics. Then the quantized linears'
-row scales are tuned end to end against the source model over the same text
-(--tune-epochs passes, a3b_backend/quant/tune.py; 0 skips it; routed experts
-stored stacked keep their fitted scales).
+metadata (row scales and block codes) and the norms' AWQ scales are tuned end
+to end against the source model over the same text (--tune-epochs passes,
+a3b_backend/quant/tune.py; 0 skips it; routed experts stored stacked keep
+their fitted metadata).
 
 The result is written to DST_DIR.partial and renamed to DST_DIR only when
 complete, so a failed run never leaves a checkpoint that looks whole.
@@ -50,7 +51,7 @@ from tqdm import tqdm
 from a3b_backend.quant import calibrate
 from a3b_backend.quant.format import A3BConfig, A3BWeight, QuantizationError, dequantize, quantize
 from a3b_backend.quant.gptq import quantize_gptq
-from a3b_backend.quant.tune import TuneConfig, tune_scales
+from a3b_backend.quant.tune import TuneConfig, tune
 
 KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 # Experts stored stacked as 3-D tensors [experts, out, in] in some checkpoints.
@@ -121,7 +122,7 @@ def check_paths(src: Path, dst: Path) -> dict:
 
 
 def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BConfig,
-                          rounding: Rounding = "nearest", tune: TuneConfig = TuneConfig(),
+                          rounding: Rounding = "nearest", tune_config: TuneConfig = TuneConfig(),
                           zero_centred_norms: bool = False) -> tuple[dict[str, LinearCalibration], dict]:
     """Per-linear statistics, AWQ scales and tuned weights, and per-norm scales to divide by."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -147,7 +148,7 @@ def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BCo
         scale = calibrate.choose_scale({down: linears[down].weight}, stats[down], quant_dequant)
         per_linear[down] = dataclasses.replace(per_linear[down], scale=scale)
         per_linear[up] = dataclasses.replace(per_linear[up], row_divisor=scale)
-    if tune.epochs > 0:
+    if tune_config.epochs > 0:
         student = copy.deepcopy(model)
         stored_dtype = AutoConfig.from_pretrained(src).dtype
         with torch.no_grad():
@@ -156,8 +157,12 @@ def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BCo
                 weight.copy_(fold_norm_scale(weight.to(stored_dtype), scale, zero_centred_norms).float())
         weights = {name: quantize_linear(f"{name}.weight", linear.weight, config, per_linear)
                    for name, linear in tqdm(linears.items(), desc="quantizing to tune", unit="linear")}
-        tuned = tune_scales(model, student, weights, config, ids, tune)
-        per_linear.update({name: dataclasses.replace(per_linear[name], tuned=w) for name, w in tuned.items()})
+        tuned = tune(model, student, weights, config, ids, tune_config, tuple(per_norm), zero_centred_norms)
+        per_linear.update({name: dataclasses.replace(per_linear[name], tuned=w) for name, w in tuned.weights.items()})
+        for norm, gain in tuned.norm_gains.items():  # the norm's output times gain: its AWQ scale over gain
+            per_norm[norm] = per_norm[norm] / gain
+            for member in calibrate.groups(list(stats))[norm]:
+                per_linear[member] = dataclasses.replace(per_linear[member], scale=per_norm[norm])
     return per_linear, per_norm
 
 
@@ -213,7 +218,8 @@ def convert_tensor(name: str, tensor: torch.Tensor, config: A3BConfig, calibrati
 
 
 def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | None = None,
-            calibration_tokens: int = 2048, rounding: Rounding = "nearest", tune: TuneConfig = TuneConfig()) -> Path:
+            calibration_tokens: int = 2048, rounding: Rounding = "nearest", tune_config: TuneConfig = TuneConfig()
+            ) -> Path:
     model_config = check_paths(src, dst)
     zero_centred = model_config.get("model_type") in ZERO_CENTRED_NORMS
     calibration, norm_scales = ({}, {})
@@ -221,7 +227,7 @@ def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | No
         raise ConversionError("--rounding gptq needs --calibration-text (its Hessians come from calibration)")
     if calibration_text is not None:
         calibration, norm_scales = calibration_transform(src, calibration_text, calibration_tokens, config,
-                                                         rounding, tune, zero_centred)
+                                                         rounding, tune_config, zero_centred)
     partial = dst.with_name(dst.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -248,7 +254,7 @@ def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | No
                 json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1))
         model_config["quantization_config"] = {
             **config.to_json(), "calibrated": calibration_text is not None, "rounding": rounding,
-            "tuned_epochs": tune.epochs if calibration_text is not None else 0,
+            "tuned_epochs": tune_config.epochs if calibration_text is not None else 0,
             "quantized_layers": calibrate.QUANTIZED.pattern,
         }
         (partial / "config.json").write_text(json.dumps(model_config, indent=2))
@@ -286,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounding", choices=get_args(Rounding), default="nearest",
                         help="gptq: error-compensating rounding in column order (needs --calibration-text)")
     parser.add_argument("--tune-epochs", type=int, default=TuneConfig.epochs,
-                        help="passes over the calibration text tuning the row scales end to end (0: none)")
+                        help="passes over the calibration text tuning the metadata end to end (0: none)")
     args = parser.parse_args(argv)
     try:
         config = A3BConfig(args.block_shape[0], args.block_shape[1], iterations=args.iterations)

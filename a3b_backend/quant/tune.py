@@ -1,76 +1,143 @@
-"""End-to-end tuning of A3B's row scales by distillation from the source model.
+"""End-to-end tuning of A3B's metadata by distillation from the source model.
 
-An A3B weight row is `lo_scale * L + step_scale * S`: L holds each weight's
-block `lo` code and S its `step` code times (level +- delta), both fixed by
-the fit and the codes. The two bf16 scales per block row are the only
-parameters here. Every layer's fit minimizes its own output error; tuning
-the scales against the whole model's output (KL divergence from the source
-model's next-token distribution over the calibration text, codes and tables
-fixed) lets the layers correct each other's errors. The checkpoint's bytes
-and format are unchanged: only the stored scales move.
+An A3B weight is `lo + level * step +- delta` per block, with `lo`, `step`
+and `delta` stored as int8/uint8 codes against two bf16 scales per block row,
+and `level` and the sign fixed by each weight's 4-bit code. Every layer's fit
+minimizes its own output error; tuning the metadata against the whole model's
+output (KL divergence from the source model's next-token distribution over
+the calibration text) lets the layers correct each other's errors. Tuned:
+- the row scales (as logarithms of their ratio to the fitted ones);
+- with `block_codes_lr`, each block's lo/step/delta codes too, as continuous
+  offsets rounded in the forward pass (straight-through), so the model tuned is
+  the one stored;
+- with `norms`, the RMSNorm gains that carry the AWQ scales (an AWQ scale
+  tuned end to end).
+The weights' 4-bit codes, the checkpoint's format and its bytes are unchanged.
 """
 from __future__ import annotations
 
 import dataclasses
 
 import torch
+from torch.nn.utils import parametrize
 from tqdm import tqdm
 
-from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
+from a3b_backend.quant.format import A3BConfig, A3BWeight, unpack_codes
+
+CODE_RANGES = {"lo": (-127, 127), "step": (0, 255), "delta": (0, 255)}
 
 
 @dataclasses.dataclass(frozen=True)
 class TuneConfig:
     epochs: int = 1  # passes over the calibration windows, one optimizer step per window
-    lr: float = 5e-4  # Adam, on the scales' logarithms, cosine-decayed to 0
+    lr: float = 5e-4  # Adam, on logarithms of scales, cosine-decayed to 0
+    block_codes_lr: float = 0.03  # Adam on the block codes' offsets (in code units); 0: the codes stay
+    norms: bool = True  # tune the gains of the RMSNorms that carry AWQ scales
     seq_len: int = 512
 
 
-class RowScaledLinear(torch.nn.Module):
-    """A quantized linear whose block-row scales are trainable (as logarithms of
-    their ratio to the fitted ones)."""
+def round_ste(x: torch.Tensor) -> torch.Tensor:
+    """round(x) forward, identity backward."""
+    return x + (x.round() - x).detach()
 
-    def __init__(self, weight: A3BWeight, config: A3BConfig):
+
+class TunedLinear(torch.nn.Module):
+    """A quantized linear whose metadata is trainable: weight = lo + level * step + sign * delta
+    per block, the block values from their codes times their row's scales."""
+
+    def __init__(self, weight: A3BWeight, config: A3BConfig, block_codes: bool):
         super().__init__()
-        ones, zeros = torch.ones_like(weight.lo_scale), torch.zeros_like(weight.lo_scale)
-        # dequantize is linear in the two scales: W = lo_scale * L + step_scale * S per block row
-        self.register_buffer("lo_part", dequantize(dataclasses.replace(weight, lo_scale=ones, step_scale=zeros),
-                                                   config))
-        self.register_buffer("step_part", dequantize(dataclasses.replace(weight, lo_scale=zeros, step_scale=ones),
-                                                     config))
+        codes = unpack_codes(weight.packed)[:, :weight.in_features]
+        self.register_buffer("level", (codes >> 1).to(torch.int8))
+        self.register_buffer("sign", ((codes & 1).to(torch.int8) * 2 - 1))
+        for kind in CODE_RANGES:
+            self.register_buffer(f"{kind}_code", getattr(weight, kind).float())
         self.register_buffer("fitted", torch.stack([weight.lo_scale.float(), weight.step_scale.float()]))
         self.log_gain = torch.nn.Parameter(torch.zeros_like(self.fitted))
-        self.block_rows = config.block_rows
+        self.offsets = torch.nn.Parameter(torch.zeros(3, *weight.lo.shape), requires_grad=block_codes)
+        self.block = config.block
 
     def scales(self) -> torch.Tensor:
         """[2, block rows]: lo_scale and step_scale as tuned."""
         return self.fitted * self.log_gain.exp()
 
+    def codes(self) -> list[torch.Tensor]:
+        """lo, step and delta codes as tuned: whole numbers in their stored ranges."""
+        return [round_ste(getattr(self, f"{kind}_code") + offset).clamp(*CODE_RANGES[kind])
+                for kind, offset in zip(CODE_RANGES, self.offsets)]
+
+    def weight(self) -> torch.Tensor:
+        lo_q, step_q, delta_q = self.codes()
+        lo_scale, step_scale = self.scales()
+        lo, step = lo_q * lo_scale[:, None], step_q * step_scale[:, None]
+        rows, cols = self.block
+        out, inp = self.level.shape
+
+        def per_weight(t: torch.Tensor) -> torch.Tensor:
+            return t.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:out, :inp]
+
+        return per_weight(lo) + self.level * per_weight(step) + self.sign * per_weight(step * delta_q / 255)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = self.scales().repeat_interleave(self.block_rows, dim=1)[:, : self.lo_part.shape[0], None]
-        return torch.nn.functional.linear(x, rows[0] * self.lo_part + rows[1] * self.step_part)
+        return torch.nn.functional.linear(x, self.weight())
+
+    def stored(self, weight: A3BWeight) -> A3BWeight:
+        """`weight` with this layer's tuned metadata."""
+        with torch.no_grad():
+            lo_q, step_q, delta_q = self.codes()
+            lo_scale, step_scale = self.scales().to(torch.bfloat16)
+        return dataclasses.replace(weight, lo=lo_q.to(torch.int8), step=step_q.to(torch.uint8),
+                                   delta=delta_q.to(torch.uint8), lo_scale=lo_scale, step_scale=step_scale)
 
 
-def tune_scales(teacher: torch.nn.Module, student: torch.nn.Module, weights: dict[str, A3BWeight],
-                config: A3BConfig, token_ids: torch.Tensor, tune: TuneConfig = TuneConfig()) -> dict[str, A3BWeight]:
-    """The weights with their scales tuned: `student` (the source architecture holding
-    what the checkpoint stores outside the quantized linears) gets each named linear
-    replaced by its A3B weight; its scales are fitted so its next-token distribution
-    over `token_ids` follows `teacher`'s."""
-    layers = {name: RowScaledLinear(w, config) for name, w in weights.items()}
+class NormGain(torch.nn.Module):
+    """An RMSNorm weight times a trainable per-channel gain (a zero-centred norm's 1 + w)."""
+
+    def __init__(self, channels: int, zero_centred: bool):
+        super().__init__()
+        self.log_gain = torch.nn.Parameter(torch.zeros(channels))
+        self.zero_centred = zero_centred
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.zero_centred:
+            return (1 + weight) * self.log_gain.exp() - 1
+        return weight * self.log_gain.exp()
+
+
+@dataclasses.dataclass
+class Tuned:
+    weights: dict[str, A3BWeight]
+    norm_gains: dict[str, torch.Tensor]  # per tuned norm: the factor its output gained
+
+
+def tune(teacher: torch.nn.Module, student: torch.nn.Module, weights: dict[str, A3BWeight], config: A3BConfig,
+         token_ids: torch.Tensor, tune_config: TuneConfig = TuneConfig(), norms: tuple[str, ...] = (),
+         zero_centred_norms: bool = False) -> Tuned:
+    """`student` (the source architecture holding what the checkpoint stores outside the
+    quantized linears) gets each named linear replaced by its A3B weight; their
+    metadata (and with `tune_config.norms` the named norms' gains) are fitted so its
+    next-token distribution over `token_ids` follows `teacher`'s."""
+    teacher.eval().requires_grad_(False)
+    student.eval().requires_grad_(False)
+    layers = {name: TunedLinear(w, config, tune_config.block_codes_lr > 0) for name, w in weights.items()}
     for name, layer in layers.items():
         parent, attr = name.rsplit(".", 1)
         setattr(student.get_submodule(parent), attr, layer)
-    windows = [token_ids[i:i + tune.seq_len] for i in range(0, token_ids.numel() - 1, tune.seq_len)]
-    steps = tune.epochs * len(windows)
-    params = [layer.log_gain for layer in layers.values()]
-    optimizer = torch.optim.Adam(params, lr=tune.lr)
+    gains = {}
+    if tune_config.norms:
+        for norm in norms:
+            module = student.get_submodule(norm)
+            gains[norm] = NormGain(module.weight.numel(), zero_centred_norms)
+            parametrize.register_parametrization(module, "weight", gains[norm])
+    groups = [{"params": [layer.log_gain for layer in layers.values()]
+               + [gain.log_gain for gain in gains.values()], "lr": tune_config.lr}]
+    if tune_config.block_codes_lr > 0:
+        groups.append({"params": [layer.offsets for layer in layers.values()], "lr": tune_config.block_codes_lr})
+    windows = [token_ids[i:i + tune_config.seq_len] for i in range(0, token_ids.numel() - 1, tune_config.seq_len)]
+    steps = tune_config.epochs * len(windows)
+    optimizer = torch.optim.Adam(groups)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
-    teacher.eval().requires_grad_(False)
-    student.eval().requires_grad_(False)
-    for p in params:
-        p.requires_grad_(True)
-    with tqdm(range(steps), desc="tuning row scales", unit="window") as bar:
+    with tqdm(range(steps), desc="tuning A3B metadata", unit="window") as bar:
         for step in bar:
             window = windows[step % len(windows)].unsqueeze(0)
             with torch.no_grad():
@@ -82,9 +149,5 @@ def tune_scales(teacher: torch.nn.Module, student: torch.nn.Module, weights: dic
             optimizer.step()
             schedule.step()
             bar.set_postfix(kl=f"{loss.item():.4f}")
-    out = {}
-    with torch.no_grad():
-        for name, layer in layers.items():
-            lo_scale, step_scale = layer.scales().to(torch.bfloat16)
-            out[name] = dataclasses.replace(weights[name], lo_scale=lo_scale, step_scale=step_scale)
-    return out
+    return Tuned({name: layer.stored(weights[name]) for name, layer in layers.items()},
+                 {norm: gain.log_gain.detach().exp() for norm, gain in gains.items()})
