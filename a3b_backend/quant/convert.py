@@ -80,7 +80,7 @@ class LinearCalibration:
     scale: torch.Tensor | None = None  # AWQ scale folded into what produces the input (an RMSNorm or up_proj)
     hessian: torch.Tensor | None = None  # E[x x^T], for gptq rounding
     row_divisor: torch.Tensor | None = None  # up_proj: the next down_proj's AWQ scale, divided out of its rows
-    tuned: A3BWeight | None = None  # the weight quantized, its row scales tuned end to end
+    tuned: A3BWeight | None = None  # the weight quantized, its metadata tuned end to end
 
     def scaled(self, weight: torch.Tensor) -> tuple[torch.Tensor, "LinearCalibration"]:
         """The weight the checkpoint stores and the statistics of the inputs it then reads (x / scale)."""
