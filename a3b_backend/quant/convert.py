@@ -139,7 +139,8 @@ def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BCo
     per_linear = {name: LinearCalibration(st.importance, hessian=None if st.gram is None else st.hessian)
                   for name, st in stats.items()}
     per_norm = {}
-    for norm, members in tqdm(calibrate.groups(list(stats)).items(), desc="searching AWQ scales", unit="group"):
+    norm_groups = calibrate.groups(list(stats))
+    for norm, members in tqdm(norm_groups.items(), desc="searching AWQ scales", unit="group"):
         scale = calibrate.choose_scale({m: linears[m].weight for m in members}, stats[members[0]], quant_dequant)
         per_norm[norm] = scale
         per_linear.update({m: dataclasses.replace(per_linear[m], scale=scale) for m in members})
@@ -161,7 +162,7 @@ def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BCo
         per_linear.update({name: dataclasses.replace(per_linear[name], tuned=w) for name, w in tuned.weights.items()})
         for norm, gain in tuned.norm_gains.items():  # the norm's output times gain: its AWQ scale over gain
             per_norm[norm] = per_norm[norm] / gain
-            for member in calibrate.groups(list(stats))[norm]:
+            for member in norm_groups[norm]:
                 per_linear[member] = dataclasses.replace(per_linear[member], scale=per_norm[norm])
     return per_linear, per_norm
 
