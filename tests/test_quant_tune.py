@@ -40,7 +40,7 @@ def test_tuning_moves_only_the_metadata_and_norms_towards_the_source(tokenizer):
     norms = tuple(calibrate.groups(list(weights)))
     ids = torch.tensor(tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20)[:128])
     tuned = tune(teacher, student, weights, config, ids,
-                 TuneConfig(epochs=10, lr=1e-2, block_codes_lr=0.3, norms=True, seq_len=32), norms)
+                 TuneConfig(epochs=10, lr=1e-2, block_codes_lr=0.3, seq_len=32), norms)
     for name, w in tuned.weights.items():
         assert torch.equal(w.packed, weights[name].packed)  # the 4-bit codes stay
         assert all(getattr(w, kind).dtype == getattr(weights[name], kind).dtype for kind in KINDS)

@@ -10,8 +10,8 @@ the calibration text) lets the layers correct each other's errors. Tuned:
 - with `block_codes_lr`, each block's lo/step/delta codes too, as continuous
   offsets rounded in the forward pass (straight-through), so the model tuned is
   the one stored;
-- with `norms`, the RMSNorm gains that carry the AWQ scales (an AWQ scale
-  tuned end to end).
+- the gains of the RMSNorms passed in, those that carry AWQ scales (an AWQ
+  scale tuned end to end).
 The weights' 4-bit codes, the checkpoint's format and its bytes are unchanged.
 """
 from __future__ import annotations
@@ -32,7 +32,6 @@ class TuneConfig:
     epochs: int = 1  # passes over the calibration windows, one optimizer step per window
     lr: float = 5e-4  # Adam, on logarithms of scales, cosine-decayed to 0
     block_codes_lr: float = 0.03  # Adam on the block codes' offsets (in code units); 0: the codes stay
-    norms: bool = True  # tune the gains of the RMSNorms that carry AWQ scales
     seq_len: int = 512
 
 
@@ -115,7 +114,7 @@ def tune(teacher: torch.nn.Module, student: torch.nn.Module, weights: dict[str, 
          zero_centred_norms: bool = False) -> Tuned:
     """`student` (the source architecture holding what the checkpoint stores outside the
     quantized linears) gets each named linear replaced by its A3B weight; their
-    metadata (and with `tune_config.norms` the named norms' gains) are fitted so its
+    metadata and the named norms' gains are fitted so its
     next-token distribution over `token_ids` follows `teacher`'s."""
     teacher.eval().requires_grad_(False)
     student.eval().requires_grad_(False)
@@ -124,11 +123,10 @@ def tune(teacher: torch.nn.Module, student: torch.nn.Module, weights: dict[str, 
         parent, attr = name.rsplit(".", 1)
         setattr(student.get_submodule(parent), attr, layer)
     gains = {}
-    if tune_config.norms:
-        for norm in norms:
-            module = student.get_submodule(norm)
-            gains[norm] = NormGain(module.weight.numel(), zero_centred_norms)
-            parametrize.register_parametrization(module, "weight", gains[norm])
+    for norm in norms:
+        module = student.get_submodule(norm)
+        gains[norm] = NormGain(module.weight.numel(), zero_centred_norms)
+        parametrize.register_parametrization(module, "weight", gains[norm])
     groups = [{"params": [layer.log_gain for layer in layers.values()]
                + [gain.log_gain for gain in gains.values()], "lr": tune_config.lr}]
     if tune_config.block_codes_lr > 0:
