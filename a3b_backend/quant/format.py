@@ -40,6 +40,8 @@ KINDS: tuple[Kind, ...] = typing.get_args(Kind)
 # What the kernels read: everything but the shape record.
 KERNEL_KINDS: tuple[Kind, ...] = KINDS[:-1]
 METADATA = "int8-lo/uint8-step/uint8-delta+bf16-row-scales"
+# The stored per-block codes' ranges (lo symmetric, so its scale is max |lo| / 127).
+CODE_RANGES: dict[Kind, tuple[int, int]] = {"lo": (-127, 127), "step": (0, 255), "delta": (0, 255)}
 SUPPORTED_VERSIONS = (1,)
 
 
@@ -282,9 +284,9 @@ def _quantize_metadata(table: Table, nbr: int, nbc: int) -> tuple[torch.Tensor, 
 def metadata_codes(table: Table, lo_scale: torch.Tensor, step_scale: torch.Tensor) -> Table:
     """Stored (lo, step, delta) values of tables [nbr, k] against their rows' scales [nbr]."""
     lo, step, delta = table
-    lo_q = (lo / lo_scale[:, None]).round().clamp(-127, 127)
-    step_q = (step / step_scale[:, None]).round().clamp(0, 255)
-    delta_q = (delta / (step_q * step_scale[:, None]).clamp_min(TINY) * 255).round().clamp(0, 255)
+    lo_q = (lo / lo_scale[:, None]).round().clamp(*CODE_RANGES["lo"])
+    step_q = (step / step_scale[:, None]).round().clamp(*CODE_RANGES["step"])
+    delta_q = (delta / (step_q * step_scale[:, None]).clamp_min(TINY) * 255).round().clamp(*CODE_RANGES["delta"])
     return lo_q, step_q, delta_q
 
 

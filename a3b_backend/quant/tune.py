@@ -22,9 +22,7 @@ import torch
 from torch.nn.utils import parametrize
 from tqdm import tqdm
 
-from a3b_backend.quant.format import A3BConfig, A3BWeight, unpack_codes
-
-CODE_RANGES = {"lo": (-127, 127), "step": (0, 255), "delta": (0, 255)}
+from a3b_backend.quant.format import CODE_RANGES, A3BConfig, A3BWeight, unpack_codes
 
 
 @dataclasses.dataclass(frozen=True)
