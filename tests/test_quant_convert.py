@@ -277,3 +277,19 @@ def test_hessians_are_the_inputs_second_moments(tmp_path, tokenizer):
         assert torch.allclose(st.hessian.diagonal(), st.importance, rtol=1e-5)
     q, v = stats["model.layers.0.self_attn.q_proj"], stats["model.layers.0.self_attn.v_proj"]
     assert torch.equal(q.gram, v.gram)  # one input, one x^T x
+
+
+def test_broad_calibration_text_mixes_licences_and_package_readmes(tmp_path, monkeypatch):
+    import importlib.metadata
+
+    from a3b_backend.quant import calibrate
+
+    monkeypatch.setattr(calibrate, "LICENCES", tmp_path)
+    (tmp_path / "Long-1.0").write_text("Licence opening. " + "x" * calibrate.DOCUMENT_CHARS + " LICENCE TAIL")
+    (tmp_path / "Alias").symlink_to(tmp_path / "Long-1.0")
+    text = calibrate.broad_calibration_text()
+    assert text == calibrate.broad_calibration_text()  # a fixed order: every tool and every run reads the same
+    assert text.count("Licence opening.") == 1  # an alias is not read twice
+    assert "LICENCE TAIL" not in text  # each document cut to DOCUMENT_CHARS
+    readme = importlib.metadata.metadata("tqdm").json["description"]
+    assert readme[:200] in text

