@@ -6,7 +6,6 @@ vLLM, side by side on the default model (`make compare-quant`).
 Variants (checkpoints under models/quant_compare/, built once, with progress):
   bf16            the default model's checkpoint
   A3B             our default format (1x128 blocks) calibrated on the shared budget
-  A3B, 3 tuning passes  the same with three passes of end-to-end tuning (a3b-quantize --tune-epochs 3)
   A3B + GPTQ rounding  the same, codes by error-compensating rounding (a3b-quantize --rounding gptq)
   A3B uncalibrated
   GPTQ W4A16 g64  llm-compressor GPTQModifier, symmetric (perf/quant_compare/peers.py)
@@ -63,7 +62,7 @@ BF16_DIR = ROOT / "models" / "smollm2-135m-instruct"
 WORK_DIR = ROOT / "models" / "quant_compare"
 QUANT_PYTHON = ROOT / ".venv-quant" / "bin" / "python"
 OUT = ROOT / "perf" / "results" / "quant_compare"
-SEQUENCES, SEQ_LEN, EVAL_TOKENS, GROUP_SIZE = 64, 512, 8192, 64
+SEQUENCES, SEQ_LEN, EVAL_TOKENS, GROUP_SIZE = 128, 512, 8192, 64
 AGREEMENT_TOKENS, DECODE_TOKENS = 32, 64
 KV_CACHE_BYTES = 512 * 2**20
 DTYPE = "bfloat16"
@@ -106,7 +105,6 @@ def variants(calibration: Path) -> list[Variant]:
             "--seq-len", str(SEQ_LEN), "--method", method, "--out", str(out)], kernel)
 
     return [Variant("bf16", BF16_DIR, None), a3b("A3B", "a3b", *calibrated),
-            a3b("A3B, 3 tuning passes", "a3b-3-passes", *calibrated, "--tune-epochs", "3"),
             a3b("A3B + GPTQ rounding", "a3b-gptq", *calibrated, "--rounding", "gptq"),
             a3b("A3B uncalibrated", "a3b-uncalibrated"),
             *(llm_compressor(method, kernel) for method in ("gptq", "awq") for kernel in typing.get_args(PeerKernel))]
