@@ -1,4 +1,4 @@
-"""`make compare-quant`'s size accounting on the committed default checkpoints (no engine)."""
+"""`make compare-quant`'s size accounting on the committed default checkpoints and its checkpoint cache (no engine)."""
 import sys
 from pathlib import Path
 
@@ -23,3 +23,18 @@ def test_evaluation_windows_cover_the_tokens_once(tokenizer):
     windows = compare.eval_windows(tokenizer)
     assert sum(len(w) - 1 for w in windows) == compare.EVAL_TOKENS
     assert all(a[-1] == b[0] for a, b in zip(windows, windows[1:]))
+
+
+def test_a_checkpoint_is_rebuilt_when_its_command_or_the_calibration_text_changes(tmp_path):
+    out = tmp_path / "ckpt"
+    writes = f"import pathlib; p = pathlib.Path({str(out)!r}); p.mkdir(); (p / 'config.json').write_text('{{}}')"
+    variant = compare.Variant("toy", out, [sys.executable, "-c", writes])
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text("one text")
+    assert compare.build(variant, calibration) is not None
+    assert compare.build(variant, calibration) is None  # built the same way already
+    calibration.write_text("another text")
+    assert compare.build(variant, calibration) is not None
+    changed = compare.Variant("toy", out, [*variant.build, "--changed"])
+    assert compare.build(changed, calibration) is not None
+    assert compare.build(changed, calibration) is None
