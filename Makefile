@@ -129,7 +129,8 @@ quant-tools:
 	bash scripts/quant_tools.sh
 
 # A3B vs llm-compressor's GPTQ / AWQ W4A16 served by stock vLLM: perf/results/quant_compare/
-# (the first run also converts the checkpoints into models/quant_compare/; times in the README)
+# (a run converts each checkpoint into models/quant_compare/ unless one built by the same command
+# from the same calibration text is there; times in the README)
 compare-quant: setup model quant-tools
 	$(PY) perf/quant_compare/compare.py
 
