@@ -48,6 +48,7 @@ QWEN35 = dict(MOE, shared_expert_intermediate_size=32, layer_types=["linear_atte
 def test_converts_dense_and_moe(tmp_path, model_type, extra, expected):
     src = tiny(tmp_path, model_type, **extra)
     dst = convert(src, tmp_path / "out", CONFIG)
+    assert json.loads((dst / "config.json").read_text())["quantization_config"]["rounding"] == "nearest"
     before, after = tensors(src), tensors(dst)
     for suffix in expected:
         name = next(n for n in before if n.endswith(suffix + ".weight"))
@@ -94,7 +95,7 @@ def test_calibrated_checkpoint_computes_what_the_source_does(tmp_path, tokenizer
     tokenizer.save_pretrained(src)
     text = tmp_path / "calib.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    dst = convert(src, tmp_path / "out", CONFIG, calibration_text=text, calibration_tokens=128)
+    dst = convert(src, tmp_path / "out", CONFIG, calibration_text=text, calibration_tokens=128, rounding="nearest")
     assert json.loads((dst / "config.json").read_text())["quantization_config"]["calibrated"] is True
     ids = torch.tensor([tokenizer.encode("A lazy dog sleeps in the sun all day.")])
     with torch.no_grad():
@@ -121,8 +122,9 @@ def test_gptq_rounded_checkpoint_computes_what_the_source_does(tmp_path, tokeniz
     tokenizer.save_pretrained(src)
     text = tmp_path / "calib.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    nearest = convert(src, tmp_path / "nearest", CONFIG, calibration_text=text, calibration_tokens=128)
-    gptq = convert(src, tmp_path / "gptq", CONFIG, calibration_text=text, calibration_tokens=128, rounding="gptq")
+    nearest = convert(src, tmp_path / "nearest", CONFIG, calibration_text=text, calibration_tokens=128,
+                      rounding="nearest")
+    gptq = convert(src, tmp_path / "gptq", CONFIG, calibration_text=text, calibration_tokens=128)  # the default
     assert json.loads((gptq / "config.json").read_text())["quantization_config"]["rounding"] == "gptq"
     ids = torch.tensor([tokenizer.encode("A lazy dog sleeps in the sun all day.")])
     with torch.no_grad():

@@ -19,9 +19,12 @@ Folding divides those layers' inputs by the scale, so the scales are kept
 (`INPUT_SCALES_FILE`, per linear, and `ROW_DIVISORS_FILE`, per up_proj): a
 LoRA adapter trained on the source model reads them to see the inputs and
 give the outputs it was trained on (a3b_backend/lora.py).
---rounding gptq also collects each linear's input Hessian and chooses the
-codes with error compensation (a3b_backend/quant/gptq.py); routed experts keep
-nearest rounding on their MoE block's statistics. Then the quantized linears'
+With calibration the codes are chosen by error-compensating rounding (GPTQ's
+column order on each linear's input Hessian, a3b_backend/quant/gptq.py; it won
+`make compare-quant` on its 128 x 512-token calibration text); --rounding
+nearest keeps each fitted table's nearest entry, and is the only choice without
+calibration. Routed experts keep nearest rounding on their MoE block's
+statistics. Then the quantized linears'
 metadata (row scales and block codes) and the norms' AWQ scales are tuned end
 to end against the source model over the same text (--tune-epochs passes,
 a3b_backend/quant/tune.py; 0 skips it; routed experts stored stacked keep
@@ -219,9 +222,11 @@ def convert_tensor(name: str, tensor: torch.Tensor, config: A3BConfig, calibrati
 
 
 def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | None = None,
-            calibration_tokens: int = 2048, rounding: Rounding = "nearest", tune_config: TuneConfig = TuneConfig()
+            calibration_tokens: int = 2048, rounding: Rounding | None = None, tune_config: TuneConfig = TuneConfig()
             ) -> Path:
+    """`rounding` None: gptq with calibration, nearest without."""
     model_config = check_paths(src, dst)
+    rounding = rounding or ("nearest" if calibration_text is None else "gptq")
     zero_centred = model_config.get("model_type") in ZERO_CENTRED_NORMS
     calibration, norm_scales = ({}, {})
     if rounding == "gptq" and calibration_text is None:
@@ -290,8 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=A3BConfig.iterations)
     parser.add_argument("--calibration-text", type=Path, help="text file for activation-aware calibration")
     parser.add_argument("--calibration-tokens", type=int, default=2048)
-    parser.add_argument("--rounding", choices=get_args(Rounding), default="nearest",
-                        help="gptq: error-compensating rounding in column order (needs --calibration-text)")
+    parser.add_argument("--rounding", choices=get_args(Rounding),
+                        help="gptq (the default with --calibration-text): error-compensating rounding in column "
+                             "order; nearest (the default and only choice without)")
     parser.add_argument("--tune-epochs", type=int, default=TuneConfig.epochs,
                         help="passes over the calibration text tuning the metadata end to end (0: none)")
     args = parser.parse_args(argv)

@@ -5,8 +5,9 @@ vLLM, side by side on the default model (`make compare-quant`).
 
 Variants (checkpoints under models/quant_compare/, built once, with progress):
   bf16            the default model's checkpoint
-  A3B             our default format (1x128 blocks) calibrated on the shared budget
-  A3B + GPTQ rounding  the same, codes by error-compensating rounding (a3b-quantize --rounding gptq)
+  A3B             a3b-quantize's defaults (1x128 blocks, error-compensating rounding)
+                  calibrated on the shared budget
+  A3B, nearest rounding  the same, each weight on its fitted table's nearest entry
   A3B uncalibrated
   GPTQ W4A16 g64  llm-compressor GPTQModifier, symmetric (perf/quant_compare/peers.py)
   AWQ W4A16 g64   llm-compressor AWQModifier + QuantizationModifier, asymmetric
@@ -104,8 +105,8 @@ def variants(calibration: Path) -> list[Variant]:
             "--calibration", str(calibration), "--group-size", str(GROUP_SIZE), "--sequences", str(SEQUENCES),
             "--seq-len", str(SEQ_LEN), "--method", method, "--out", str(out)], kernel)
 
-    return [Variant("bf16", BF16_DIR, None), a3b("A3B", "a3b", *calibrated),
-            a3b("A3B + GPTQ rounding", "a3b-gptq", *calibrated, "--rounding", "gptq"),
+    return [Variant("bf16", BF16_DIR, None), a3b("A3B", "a3b-gptq", *calibrated, "--rounding", "gptq"),
+            a3b("A3B, nearest rounding", "a3b", *calibrated, "--rounding", "nearest"),
             a3b("A3B uncalibrated", "a3b-uncalibrated"),
             *(llm_compressor(method, kernel) for method in ("gptq", "awq") for kernel in typing.get_args(PeerKernel))]
 
