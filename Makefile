@@ -9,10 +9,10 @@ QWEN_TINY_DIR := models/qwen3.6-tiny
 setup:
 	bash scripts/setup.sh
 
-# The bf16 checkpoint, then the served default: it in A3B (1x128 blocks,
+# The bf16 checkpoint, then the served default: it in A3B (1x128 blocks, GPTQ rounding,
 # calibrated on all of the GPL-3 text, 7,658 tokens: with its first 2,048 the
 # float32 greedy answer to "What is the capital of France?" went astray;
-# ~4 min on 2 cores).
+# ~5 min on 2 cores).
 model: setup
 	$(PY) -m a3b_backend.prepare_model --out $(MODEL_DIR)
 	test -d $(MODEL_DIR)-a3b || $(PY) -m a3b_backend.quant.convert $(MODEL_DIR) $(MODEL_DIR)-a3b \
