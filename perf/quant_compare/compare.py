@@ -105,6 +105,8 @@ def variants(calibration: Path) -> list[Variant]:
             "--calibration", str(calibration), "--group-size", str(GROUP_SIZE), "--sequences", str(SEQUENCES),
             "--seq-len", str(SEQ_LEN), "--method", method, "--out", str(out)], kernel)
 
+    # the rounding spelled out: a checkpoint's build record is its command, which must not mean
+    # another rounding when a3b-quantize's default changes
     return [Variant("bf16", BF16_DIR, None), a3b("A3B", "a3b-gptq", *calibrated, "--rounding", "gptq"),
             a3b("A3B, nearest rounding", "a3b", *calibrated, "--rounding", "nearest"),
             a3b("A3B uncalibrated", "a3b-uncalibrated"),
