@@ -9,14 +9,15 @@ QWEN_TINY_DIR := models/qwen3.6-tiny
 setup:
 	bash scripts/setup.sh
 
-# The bf16 checkpoint, then the served default: it in A3B (1x128 blocks, GPTQ rounding,
+# The bf16 checkpoint, then the served default: it in A3B (1x128 blocks,
 # calibrated on all of the GPL-3 text, 7,658 tokens: with its first 2,048 the
 # float32 greedy answer to "What is the capital of France?" went astray;
-# ~5 min on 2 cores).
+# ~4 min on 2 cores). Nearest rounding: error-compensating rounding's
+# Hessians need varied text (README, "A3B quantization"), and one licence is not.
 model: setup
 	$(PY) -m a3b_backend.prepare_model --out $(MODEL_DIR)
 	test -d $(MODEL_DIR)-a3b || $(PY) -m a3b_backend.quant.convert $(MODEL_DIR) $(MODEL_DIR)-a3b \
-	  --calibration-text /usr/share/common-licenses/GPL-3 --calibration-tokens 8192
+	  --calibration-text /usr/share/common-licenses/GPL-3 --calibration-tokens 8192 --rounding nearest
 
 # Qwen3.6-35B-A3B's architecture at toy width, random weights, and its A3B
 # conversion: the `qwen-tiny` profile's model (A3B_PROFILE=qwen-tiny make serve).
