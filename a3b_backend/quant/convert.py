@@ -21,8 +21,9 @@ LoRA adapter trained on the source model reads them to see the inputs and
 give the outputs it was trained on (a3b_backend/lora.py).
 With calibration the codes are chosen by error-compensating rounding (GPTQ's
 column order on each linear's input Hessian, a3b_backend/quant/gptq.py; it won
-`make compare-quant` on its 128 x 512-token calibration text); --rounding
-nearest keeps each fitted table's nearest entry, and is the only choice without
+`make compare-quant` on its varied 128 x 512-token calibration text and lost on
+the licence texts alone); --rounding nearest keeps each fitted table's nearest
+entry, does better on one narrow text, and is the only choice without
 calibration. Routed experts keep nearest rounding on their MoE block's
 statistics. Then the quantized linears'
 metadata (row scales and block codes) and the norms' AWQ scales are tuned end
