@@ -28,8 +28,8 @@ def test_evaluation_windows_cover_the_tokens_once(tokenizer):
 def test_a_checkpoint_is_rebuilt_when_its_command_or_the_calibration_text_changes(tmp_path):
     out = tmp_path / "ckpt"
     writes = f"import pathlib; p = pathlib.Path({str(out)!r}); p.mkdir(); (p / 'config.json').write_text('{{}}')"
-    variant = compare.Variant("toy", out, [sys.executable, "-c", writes])
     calibration = tmp_path / "calibration.txt"
+    variant = compare.Variant("toy", out, [sys.executable, "-c", writes, "--calibration", str(calibration)])
     calibration.write_text("one text")
     assert compare.build(variant, calibration) is not None
     assert compare.build(variant, calibration) is None  # built the same way already
@@ -38,3 +38,17 @@ def test_a_checkpoint_is_rebuilt_when_its_command_or_the_calibration_text_change
     changed = compare.Variant("toy", out, [*variant.build, "--changed"])
     assert compare.build(changed, calibration) is not None
     assert compare.build(changed, calibration) is None
+
+
+def test_a_checkpoint_whose_command_reads_no_calibration_survives_a_new_calibration_text(tmp_path):
+    out = tmp_path / "ckpt"
+    writes = f"import pathlib; p = pathlib.Path({str(out)!r}); p.mkdir(); (p / 'config.json').write_text('{{}}')"
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text("one text")
+    uncalibrated = compare.Variant("toy", out, [sys.executable, "-c", writes])
+    reading = compare.Variant("toy", tmp_path / "other", [sys.executable, "-c", writes.replace("ckpt", "other"),
+                                                          "--calibration", str(calibration)])
+    assert compare.build(uncalibrated, calibration) is not None and compare.build(reading, calibration) is not None
+    calibration.write_text("another text")
+    assert compare.build(uncalibrated, calibration) is None
+    assert compare.build(reading, calibration) is not None

@@ -118,8 +118,9 @@ def sha256(path: Path) -> str:
 
 
 def build_record(variant: Variant, calibration: Path) -> dict:
-    """What a checkpoint was built from: its command and the calibration text's digest."""
-    return {"command": variant.build, "calibration_sha256": sha256(calibration)}
+    """What a checkpoint was built from: its command and, if the command reads it, the calibration text's digest."""
+    reads_calibration = str(calibration) in variant.build
+    return {"command": variant.build, "calibration_sha256": sha256(calibration) if reads_calibration else None}
 
 
 def build(variant: Variant, calibration: Path) -> float | None:
