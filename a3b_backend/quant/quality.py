@@ -29,7 +29,7 @@ from a3b_backend.quant.convert import LinearCalibration, fold_norm_scale
 from a3b_backend.quant.format import A3BConfig, dequantize, quantize
 
 ROOT = Path(__file__).resolve().parents[2]
-CALIBRATION_TEXT = Path("/usr/share/common-licenses/GPL-3")
+CALIBRATION_TEXT = calibrate.LICENCES / "GPL-3"
 SEQ_LEN = 512
 
 
