@@ -21,6 +21,8 @@ DEFAULT_PROFILE = "cpu"
 # scripts/vllm_node.sh the others).
 NODE_RANK_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV = "A3B_NODE_RANK", "A3B_MASTER_ADDR", "A3B_MASTER_PORT"
 DEFAULT_MASTER_PORT = 29501
+# Read by vLLM's processes (a3b_backend/vllm_a3b.py: bound_busy_wait)
+ENGINE_BUSY_WAIT_ENV = "A3B_ENGINE_BUSY_WAIT_S"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +115,12 @@ class Profile:
     max_lora_rank: int = 16
     max_loras: int = 4
     cpu_kv_cache_gib: int = 2
+    # Seconds vLLM's engine processes busy-wait for each other's next message
+    # before sleeping until notified; None keeps vLLM's 1 s, which never lapses
+    # while streams run. Where the engine computes on the CPUs, EngineCore
+    # spinning through every step holds a core the serving path needs
+    # (README Performance, "Serving overhead"), so it sleeps at once there.
+    engine_busy_wait_s: float | None = None
     trust_remote_code: bool = False
     # Request limits enforced before anything reaches the engine. Past
     # max_in_flight, a3b_llm answers "server busy" at once instead of queueing
@@ -154,6 +162,8 @@ class Profile:
         """Environment for vLLM processes: an explicit CPU KV size (vLLM's CPU
         default reserves 90% of RAM and refuses to start beside another engine)."""
         env = {"VLLM_CPU_KVCACHE_SPACE": str(self.cpu_kv_cache_gib)}
+        if self.engine_busy_wait_s is not None:
+            env[ENGINE_BUSY_WAIT_ENV] = str(self.engine_busy_wait_s)
         if self.execute_timeout_s is not None:
             env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = str(self.execute_timeout_s)
         return env
@@ -213,6 +223,7 @@ _SINGLE_NODE = (
         max_num_batched_tokens=1024,
         max_in_flight=64,
         cpu_kv_cache_gib=2,
+        engine_busy_wait_s=0.0,
         # Eager float32 (make bench-cpu-modes, perf/results/cpu_engine_modes.md):
         # without AVX-512 BF16, torch's bf16 GEMM is a scalar loop (prefill
         # 6.7x slower); compiled mode starts 5x slower for 12% more decode.
@@ -248,6 +259,7 @@ _QWEN_TINY = Profile(
     max_num_batched_tokens=1024,
     max_in_flight=32,
     cpu_kv_cache_gib=1,
+    engine_busy_wait_s=0.0,
     enforce_eager=True,
     dtype="bfloat16",
     perf=PerfPlan(prompt_lengths=(128, 1024), output_tokens=32, concurrencies=(1, 4), requests_per_window=3,
