@@ -418,11 +418,11 @@ def linear_kernels(model: torch.nn.Module) -> list[str]:
     return sorted(kernels) or ["vLLM's bf16 GEMM"]
 
 
-# How often a reader past its busy-wait looks at the queue again even without
-# the writer's notification: vLLM's notifications (a zmq PUB socket that drops
-# at a high-water mark of 1) get lost when readers sleep after every message,
-# and vLLM only looks again after 5 s (seen: EngineCore and its worker both
-# asleep waiting for each other).
+# How often a reader past its busy-wait looks at the queue again without the
+# writer's notification: with readers asleep after every message, some
+# notifications never wake them (the notifier is a zmq PUB socket, which drops
+# messages past its high-water mark of 1), and vLLM looks again only after 5 s
+# (seen: EngineCore and its worker both asleep, each waiting for the other).
 IDLE_RECHECK_MS = 1
 
 

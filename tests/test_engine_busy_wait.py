@@ -3,6 +3,8 @@ engine computes on the CPUs the serving processes also need
 (profiles.Profile.engine_busy_wait_s, vllm_a3b.bound_busy_wait)."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import psutil
@@ -30,3 +32,23 @@ def test_served_engine_core_sleeps_while_its_worker_computes(server):
     wall_s, cpu_s = time.monotonic() - started, sum(core.cpu_times()[:2]) - cpu_before
     assert error is None and len(pieces) > 1
     assert cpu_s < 0.5 * wall_s, f"EngineCore used {cpu_s:.2f} s of CPU in {wall_s:.2f} s"
+
+
+def test_a_sleeping_reader_looks_again_without_a_notification(tmp_path):
+    """No notification ever comes: vLLM's own wait would sleep 5 s (or for ever)."""
+    script = f"""
+import os, time, zmq
+os.environ[{ENGINE_BUSY_WAIT_ENV!r}] = "0"
+from a3b_backend import vllm_a3b
+vllm_a3b.bound_busy_wait()
+from vllm.distributed.device_communicators import shm_broadcast
+reader = shm_broadcast.SpinCondition(True, zmq.Context(), "ipc://{tmp_path}/notify")
+assert reader.busy_loop_s == 0
+started = time.monotonic()
+for _ in range(20):
+    reader.wait(timeout_ms=None)
+print(time.monotonic() - started)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.split()[-1]) < 1.0
