@@ -21,7 +21,7 @@ DEFAULT_PROFILE = "cpu"
 # scripts/vllm_node.sh the others).
 NODE_RANK_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV = "A3B_NODE_RANK", "A3B_MASTER_ADDR", "A3B_MASTER_PORT"
 DEFAULT_MASTER_PORT = 29501
-# Read by vLLM's processes (a3b_backend/vllm_a3b.py: bound_busy_wait)
+# Read by vLLM's processes (a3b_backend/engine_wait.py)
 ENGINE_BUSY_WAIT_ENV = "A3B_ENGINE_BUSY_WAIT_S"
 
 

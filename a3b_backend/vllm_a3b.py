@@ -32,7 +32,7 @@ from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, regist
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.parameter import BasevLLMParameter, PackedColumnParameter, PackedvLLMParameter
 
-from a3b_backend.profiles import ENGINE_BUSY_WAIT_ENV
+from a3b_backend import engine_wait
 from a3b_backend.quant.format import (KERNEL_KINDS, KINDS, A3BConfig, A3BWeight, Kind, QuantizationError,
                                       StoredTensor, dequantize, stored_tensors)
 from a3b_kernels import cpu as cpu_kernels
@@ -418,47 +418,9 @@ def linear_kernels(model: torch.nn.Module) -> list[str]:
     return sorted(kernels) or ["vLLM's bf16 GEMM"]
 
 
-# How often a reader past its busy-wait looks at the queue again without the
-# writer's notification: with readers asleep after every message, some
-# notifications never wake them (the notifier is a zmq PUB socket, which drops
-# messages past its high-water mark of 1), and vLLM looks again only after 5 s
-# (seen: EngineCore and its worker both asleep, each waiting for the other).
-IDLE_RECHECK_MS = 1
-
-
-def bound_busy_wait() -> None:
-    """Where the profile asks (profiles.ENGINE_BUSY_WAIT_ENV), vLLM's engine
-    processes busy-wait that long for each other's next message, then sleep
-    until notified or IDLE_RECHECK_MS passes, instead of vLLM's fixed 1 s.
-
-    Under load 1 s never lapses: EngineCore spins (sched_yield) on a whole core
-    while its worker computes a step. Where the engine computes on the host's
-    CPUs, that core is the one the serving processes run on, and each step
-    starts only once the spinner gets the core back from them. vLLM 0.32 has no
-    setting for it: its MessageQueue builds a SpinCondition per reader, so this
-    swaps in one with the profile's busy-wait."""
-    from vllm.distributed.device_communicators import shm_broadcast
-
-    raw = os.environ.get(ENGINE_BUSY_WAIT_ENV)
-    if raw is None or hasattr(shm_broadcast.SpinCondition, "bounded_busy_wait_s"):
-        return
-    busy_wait_s = float(raw)
-
-    class BoundedSpinCondition(shm_broadcast.SpinCondition):
-        bounded_busy_wait_s = busy_wait_s
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **{**kwargs, "busy_loop_s": busy_wait_s})
-
-        def wait(self, timeout_ms: int | None = None) -> None:
-            super().wait(IDLE_RECHECK_MS if timeout_ms is None else min(timeout_ms, IDLE_RECHECK_MS))
-
-    shm_broadcast.SpinCondition = BoundedSpinCondition
-
-
 def register() -> None:
     """vllm.general_plugins entry point."""
-    bound_busy_wait()
+    engine_wait.bound_busy_wait()
     if NAME not in QUANTIZATION_METHODS:
         register_quantization_config(NAME)(A3BQuantConfig)
         register_weight_loader_v2_supported_method(A3BLinearMethod)

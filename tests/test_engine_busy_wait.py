@@ -1,6 +1,6 @@
 """EngineCore sleeps instead of spinning while its worker computes, where the
 engine computes on the CPUs the serving processes also need
-(profiles.Profile.engine_busy_wait_s, vllm_a3b.bound_busy_wait)."""
+(profiles.Profile.engine_busy_wait_s, engine_wait.bound_busy_wait)."""
 from __future__ import annotations
 
 import subprocess
@@ -39,8 +39,8 @@ def test_a_sleeping_reader_looks_again_without_a_notification(tmp_path):
     script = f"""
 import os, time, zmq
 os.environ[{ENGINE_BUSY_WAIT_ENV!r}] = "0"
-from a3b_backend import vllm_a3b
-vllm_a3b.bound_busy_wait()
+from a3b_backend import engine_wait
+engine_wait.bound_busy_wait()
 from vllm.distributed.device_communicators import shm_broadcast
 reader = shm_broadcast.SpinCondition(True, zmq.Context(), "ipc://{tmp_path}/notify")
 assert reader.busy_loop_s == 0
