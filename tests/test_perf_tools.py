@@ -283,3 +283,22 @@ def test_serving_cpu_splits_the_ensembles_cost_into_per_response_and_per_token(m
     per_response, per_token = serving_cpu.split_cost([run(32), run(9), run(2)])
     assert per_response == pytest.approx(0.9) and per_token == pytest.approx(0.3)
     assert run(32).serving_ms() / (24 * 32) == pytest.approx(1.2)
+
+
+def test_overhead_report_says_which_goals_a_run_met():
+    """perf/overhead.py's verdicts on synthetic intervals: only the ensemble's rows at the goals' concurrencies."""
+    sys.path.insert(0, str(ROOT / "perf"))
+    import overhead
+
+    def row(variant, concurrency, itl_high, ttft_high):
+        return dict(variant=variant.name, concurrency=concurrency,
+                    itl_vs_a_percent={"mean": 0.0, "low": -1.0, "high": itl_high},
+                    ttft_vs_a_percent={"mean": 0.0, "low": -1.0, "high": ttft_high})
+
+    rows = [row(overhead.ENSEMBLE, 1, 9.0, 9.0), row(overhead.ENSEMBLE, 8, 3.0, 5.1),
+            row(overhead.VARIANTS[1], 32, 9.0, 9.0), row(overhead.ENSEMBLE, 32, 3.1, -2.0)]
+    assert overhead.goal_verdicts(rows) == [
+        "concurrency 8, inter-token: +0.0 [-1.0, +3.0] %, upper end at most +3: met",
+        "concurrency 8, TTFT: +0.0 [-1.0, +5.1] %, upper end at most +5: missed",
+        "concurrency 32, inter-token: +0.0 [-1.0, +3.1] %, upper end at most +3: missed",
+        "concurrency 32, TTFT: +0.0 [-1.0, -2.0] %, upper end at most +5: met"]
