@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -60,6 +61,8 @@ VARIANTS = (Variant("a: AsyncLLM", None), Variant("b: a3b_llm", contract.LLM_MOD
             Variant("c: ensemble", contract.ENSEMBLE_MODEL),
             Variant(f"d: ensemble, stream_interval {STREAM_INTERVAL}", contract.ENSEMBLE_MODEL, STREAM_INTERVAL))
 ENSEMBLE = VARIANTS[2]  # what clients use; the goals are about it
+# vLLM's CPU engine processes, whose waits for a CPU the report shows
+ENGINE_PROCESSES = ("VLLM::Worker", "VLLM::EngineCore")
 SETTLE_S = 2.0
 # Served rounds ran about 15% slower than bare vLLM for their first 6 rounds
 # at concurrency 8 and within a few % after (each round's medians in
@@ -112,6 +115,9 @@ class Round:
     # CPU of what serves the engine while the round ran: tritonserver and its Python stubs for the
     # served variants (the engine's processes left out), this process's for bare AsyncLLM
     serving_cpu_s: float
+    # seconds the variant's engine processes were ready to run but waited for a CPU, by process title
+    engine_wait_s: dict[str, float]
+    wall_s: float
 
 
 def latencies(records: list[RequestRecord]) -> tuple[list[float], list[float]]:
@@ -221,9 +227,14 @@ def main(argv: list[str] | None = None) -> None:
             print("starting AsyncLLM in this process ...", flush=True)
             engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**profile.engine_args(ROOT)))
 
+            def engine_wait_s(variant: Variant) -> dict[str, float]:
+                if variant.model:
+                    return server.engine_wait_s()
+                return server_process.engine_run_queue_wait_s(psutil.Process(), exclude=frozenset({server.proc.pid}))
+
             def run(variant: Variant, ids: list[list[int]]) -> Round:
-                cpu_before = time.process_time()
-                served_before = server.serving_cpu_s()
+                cpu_before, wall_before = time.process_time(), time.monotonic()
+                served_before, wait_before = server.serving_cpu_s(), engine_wait_s(variant)
                 if variant.model is None:
                     records = loop.run_until_complete(direct_round(engine, ids))
                 else:
@@ -231,9 +242,12 @@ def main(argv: list[str] | None = None) -> None:
                     records = loop.run_until_complete(loadgen.stream_all(
                         server.grpc_url, variant.model, requests, timeout_s=300, output=output))
                 process_cpu = time.process_time() - cpu_before
+                waited = engine_wait_s(variant)
                 return Round(*latencies(records), responses=sum(len(r.response_ns) for r in records),
                              requests=len(records), process_cpu_s=process_cpu,
-                             serving_cpu_s=server.serving_cpu_s() - served_before if variant.model else process_cpu)
+                             serving_cpu_s=server.serving_cpu_s() - served_before if variant.model else process_cpu,
+                             engine_wait_s={n: w - wait_before.get(n, 0.0) for n, w in waited.items()},
+                             wall_s=time.monotonic() - wall_before)
 
             results: dict[tuple[Variant, int], list[Round]] = {}
             with tqdm(total=len(schedule) * len(variants), desc="interleaved rounds (warm-up first)",
@@ -270,17 +284,22 @@ def main(argv: list[str] | None = None) -> None:
                          client_cpu_ms_per_response=(1000 * sum(r.process_cpu_s for r in rounds) / responses
                                                      if variant.model else None),
                          ttft_vs_a_percent=ttft, itl_vs_a_percent=itl,
+                         engine_wait_percent={name: 100 * sum(r.engine_wait_s.get(name, 0.0) for r in rounds)
+                                              / sum(r.wall_s for r in rounds) for name in ENGINE_PROCESSES},
                          round_ttft_ms=[statistics.median(r.ttft_ms) for r in rounds],
                          round_itl_ms=[statistics.median(r.itl_ms) for r in rounds]))
     header = ("| variant | concurrency | TTFT median ms | ITL median ms | responses per request | "
               "serving CPU ms per response | client CPU ms per response | TTFT vs a, % (mean [95% interval]) | "
-              "ITL vs a, % (mean [95% interval]) |\n" + "|---" * 9 + "|\n")
+              "ITL vs a, % (mean [95% interval]) | "
+              + " | ".join(f"{name} waiting for a CPU, % of the time" for name in ENGINE_PROCESSES)
+              + " |\n" + "|---" * (9 + len(ENGINE_PROCESSES)) + "|\n")
     table = header + "".join(
         f"| {r['variant']} | {r['concurrency']} | {r['ttft_ms']:.1f} | {r['itl_ms']:.2f} | "
         f"{r['responses_per_request']:.1f} | "
         + f"{r['serving_cpu_ms_per_response']:.2f} | "
         + (f"{r['client_cpu_ms_per_response']:.2f}" if r["client_cpu_ms_per_response"] is not None else "-")
-        + f" | {interval_text(r['ttft_vs_a_percent'])} | {interval_text(r['itl_vs_a_percent'])} |\n" for r in rows)
+        + f" | {interval_text(r['ttft_vs_a_percent'])} | {interval_text(r['itl_vs_a_percent'])} | "
+        + " | ".join(f"{r['engine_wait_percent'][name]:.1f}" for name in ENGINE_PROCESSES) + " |\n" for r in rows)
     verdicts = goal_verdicts(rows)
     print(table + "".join(f"goal: {line}\n" for line in verdicts))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -299,6 +318,8 @@ def main(argv: list[str] | None = None) -> None:
         "channel of this process (loadgen.stream_all); client CPU is this process's CPU during the round per "
         "response; serving CPU, per response, is that of tritonserver and its Python stubs (vLLM's engine "
         "processes left out) for b, c and d, and this process's (AsyncLLM's front end) for a. "
+        "Waiting for a CPU: the time the variant's vLLM processes were ready to run but not running (the "
+        "kernel's schedstat, all their threads), over the rounds' wall time. "
         f"a3b_llm paces each stream's responses at {profile.stream_responses_per_s:g} responses/s "
         "over all streams (a3b_backend/pacing.py).\n"
         f"Goals, at concurrency {' and '.join(map(str, GOAL_CONCURRENCY))}: the interval of {ENSEMBLE.name} ends "

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -302,3 +304,22 @@ def test_overhead_report_says_which_goals_a_run_met():
         "concurrency 8, TTFT: +0.0 [-1.0, +5.1] %, upper end at most +5: missed",
         "concurrency 32, inter-token: +0.0 [-1.0, +3.1] %, upper end at most +3: missed",
         "concurrency 32, TTFT: +0.0 [-1.0, -2.0] %, upper end at most +5: met"]
+
+
+def test_engine_run_queue_wait_is_read_by_vllm_process_title():
+    import psutil
+
+    from a3b_backend.bench import server_process
+
+    worker = subprocess.Popen(["bash", "-c", 'exec -a "VLLM::Worker" sleep 30'])
+    try:
+        for _ in range(50):  # until exec has retitled it
+            if psutil.Process(worker.pid).cmdline()[:1] == ["VLLM::Worker"]:
+                break
+            time.sleep(0.05)
+        waited = server_process.engine_run_queue_wait_s(psutil.Process())
+        assert set(waited) == {"VLLM::Worker"} and waited["VLLM::Worker"] >= 0
+        assert server_process.engine_run_queue_wait_s(psutil.Process(), exclude=frozenset({os.getpid()})) == {}
+    finally:
+        worker.kill()
+        worker.wait()

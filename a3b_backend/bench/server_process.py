@@ -48,6 +48,32 @@ def process_name(cmdline: list[str]) -> str:
     return Path(cmdline[0]).name if cmdline else "?"
 
 
+def engine_run_queue_wait_s(root, exclude: frozenset[int] = frozenset()) -> dict[str, float]:
+    """Seconds so far that vLLM's engine processes under the psutil process `root`
+    (not those under a pid in `exclude`) were ready to run but waited for a CPU,
+    by process title: the kernel's schedstat of the threads that carry the
+    process's name (the main thread and OpenMP's). Helper threads with names of
+    their own are left out: torch's gloo threads, bound to the worker's CPUs,
+    wake now and then and queue behind the busy worker, which says nothing of
+    what delays a step."""
+    import psutil
+
+    totals: dict[str, float] = {}
+    for proc in root.children(recursive=True):
+        try:
+            name = process_name(proc.cmdline())
+            if not ENGINE_PROCESS.match(name) or exclude & {p.pid for p in proc.parents()}:
+                continue
+            tasks = Path(f"/proc/{proc.pid}/task")
+            title = (tasks.parent / "comm").read_text()
+            waited_ns = sum(int((task / "schedstat").read_text().split()[1])
+                            for task in tasks.iterdir() if (task / "comm").read_text() == title)
+        except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
+            continue
+        totals[name] = totals.get(name, 0.0) + waited_ns / 1e9
+    return totals
+
+
 class Server:
     def __init__(self, http_port: int, grpc_port: int, metrics_port: int, proc: subprocess.Popen, log: Path):
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
@@ -85,6 +111,12 @@ class Server:
     def serving_cpu_s(self) -> float:
         """CPU seconds so far of the server's tree without vLLM's engine processes."""
         return sum(cpu for name, cpu in self.cpu_by_process().items() if not ENGINE_PROCESS.match(name))
+
+    def engine_wait_s(self) -> dict[str, float]:
+        """`engine_run_queue_wait_s` of the server's engine processes."""
+        import psutil
+
+        return engine_run_queue_wait_s(psutil.Process(self.proc.pid))
 
     def stop(self, timeout_s: float = 60) -> None:
         self.proc.terminate()
