@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import time
@@ -311,15 +310,18 @@ def test_engine_run_queue_wait_is_read_by_vllm_process_title():
 
     from a3b_backend.bench import server_process
 
-    worker = subprocess.Popen(["bash", "-c", 'exec -a "VLLM::Worker" sleep 30'])
+    # a shell whose one child carries vLLM's worker title (the session's server has engine processes of its own)
+    parent = subprocess.Popen(["bash", "-c", 'bash -c \'exec -a "VLLM::Worker" sleep 30\' & wait'])
+    root = psutil.Process(parent.pid)
     try:
-        for _ in range(50):  # until exec has retitled it
-            if psutil.Process(worker.pid).cmdline()[:1] == ["VLLM::Worker"]:
+        for _ in range(100):  # until exec has retitled it
+            if [c.cmdline()[:1] for c in root.children()] == [["VLLM::Worker"]]:
                 break
             time.sleep(0.05)
-        waited = server_process.engine_run_queue_wait_s(psutil.Process())
+        waited = server_process.engine_run_queue_wait_s(root)
         assert set(waited) == {"VLLM::Worker"} and waited["VLLM::Worker"] >= 0
-        assert server_process.engine_run_queue_wait_s(psutil.Process(), exclude=frozenset({os.getpid()})) == {}
+        assert server_process.engine_run_queue_wait_s(root, exclude=frozenset({parent.pid})) == {}
     finally:
-        worker.kill()
-        worker.wait()
+        for proc in [*root.children(), root]:
+            proc.kill()
+        parent.wait()
