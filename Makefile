@@ -108,7 +108,8 @@ bench-serving-path: setup model perf-tools
 bench-overhead: setup model
 	$(PY) perf/overhead.py
 
-# the serving path's goals settled: bare AsyncLLM vs ensemble alone, 48 rounds at 8 and 32 streams (about 50 min)
+# the serving path's goals (the report says which a run met): bare AsyncLLM vs ensemble alone,
+# 48 rounds at 8 and 32 streams (about 50 min)
 bench-overhead-goal: setup model
 	$(PY) perf/overhead.py --rounds 48 --concurrency 8 32 --variants c --out perf/results/overhead/goal
 
