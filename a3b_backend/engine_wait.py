@@ -5,6 +5,7 @@ its message queues exist."""
 from __future__ import annotations
 
 import os
+import time
 
 from a3b_backend.profiles import ENGINE_BUSY_WAIT_ENV
 
@@ -13,13 +14,24 @@ from a3b_backend.profiles import ENGINE_BUSY_WAIT_ENV
 # notifications never wake them (the notifier is a zmq PUB socket, which drops
 # messages past its high-water mark of 1), and vLLM looks again only after 5 s
 # (seen: EngineCore and its worker both asleep, each waiting for the other).
-IDLE_RECHECK_MS = 1
+ACTIVE_RECHECK_MS = 1
+# While the last message is older than ACTIVE_WINDOW_S (vLLM's own busy-wait),
+# the engine is idle and a reader looks again only every IDLE_RECHECK_MS, so an
+# idle engine's worker does not wake 1,000 times a second on the CPU it is bound
+# to (a busy engine of another process may be bound to the same one).
+ACTIVE_WINDOW_S = 1.0
+IDLE_RECHECK_MS = 50
+
+
+def recheck_ms(since_last_read_s: float) -> int:
+    """How long a sleeping reader waits for a notification before it looks again."""
+    return ACTIVE_RECHECK_MS if since_last_read_s < ACTIVE_WINDOW_S else IDLE_RECHECK_MS
 
 
 def bound_busy_wait() -> None:
     """Where the profile asks (profiles.ENGINE_BUSY_WAIT_ENV), vLLM's engine
     processes busy-wait that long for each other's next message, then sleep
-    until notified or IDLE_RECHECK_MS passes, instead of vLLM's fixed 1 s.
+    until notified or `recheck_ms` passes, instead of vLLM's fixed 1 s.
 
     Under load 1 s never lapses: EngineCore spins (sched_yield) on a whole core
     while its worker computes a step. Where the engine computes on the host's
@@ -39,6 +51,7 @@ def bound_busy_wait() -> None:
             super().__init__(*args, **{**kwargs, "busy_loop_s": busy_wait_s})
 
         def wait(self, timeout_ms: int | None = None) -> None:
-            super().wait(IDLE_RECHECK_MS if timeout_ms is None else min(timeout_ms, IDLE_RECHECK_MS))
+            recheck = recheck_ms(time.monotonic() - self.last_read)
+            super().wait(recheck if timeout_ms is None else min(timeout_ms, recheck))
 
     shm_broadcast.SpinCondition = BoundedSpinCondition

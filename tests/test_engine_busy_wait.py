@@ -6,10 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 
-from a3b_backend import contract
+from a3b_backend import contract, engine_wait
 from a3b_backend.bench import server_process
 from a3b_backend.profiles import ENGINE_BUSY_WAIT_ENV, PROFILES
 from served import stream_infer, text_request
@@ -48,7 +49,31 @@ started = time.monotonic()
 for _ in range(20):
     reader.wait(timeout_ms=None)
 print(time.monotonic() - started)
+reader.last_read -= 2 * engine_wait.ACTIVE_WINDOW_S  # an idle engine
+started = time.monotonic()
+reader.wait(timeout_ms=None)
+print(time.monotonic() - started)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert float(done.stdout.split()[-1]) < 1.0
+    active_s, idle_s = map(float, done.stdout.split()[-2:])
+    assert active_s < 1.0
+    assert idle_s >= 0.8 * engine_wait.IDLE_RECHECK_MS / 1000
+
+
+def test_an_idle_engine_looks_again_less_often():
+    assert engine_wait.recheck_ms(0.0) == engine_wait.ACTIVE_RECHECK_MS == 1
+    assert engine_wait.recheck_ms(engine_wait.ACTIVE_WINDOW_S) == engine_wait.IDLE_RECHECK_MS
+
+
+def test_served_idle_engine_worker_sleeps(server):
+    """Looking again every millisecond, an idle worker's main thread (the queue's
+    reader) runs 1,000 times a second; torch's gloo threads beside it are not ours."""
+    [worker] = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                if server_process.process_name(p.cmdline()) == "VLLM::Worker"]
+    schedstat = Path(f"/proc/{worker.pid}/task/{worker.pid}/schedstat")
+    time.sleep(2 * engine_wait.ACTIVE_WINDOW_S)
+    runs_before, started = int(schedstat.read_text().split()[2]), time.monotonic()
+    time.sleep(3)
+    per_s = (int(schedstat.read_text().split()[2]) - runs_before) / (time.monotonic() - started)
+    assert per_s < 1000 / engine_wait.IDLE_RECHECK_MS * 2, f"the idle worker ran {per_s:.0f} times a second"
