@@ -57,10 +57,10 @@ class Variant:
 # d: the same ensemble requests asking for vLLM's stream_interval, so what
 # fewer, larger responses save is read beside c in the same run.
 STREAM_INTERVAL = 4
-VARIANTS = (Variant("a: AsyncLLM", None), Variant("b: a3b_llm", contract.LLM_MODEL),
-            Variant("c: ensemble", contract.ENSEMBLE_MODEL),
+BARE = Variant("a: AsyncLLM", None)  # the baseline every variant is compared with
+ENSEMBLE = Variant("c: ensemble", contract.ENSEMBLE_MODEL)  # what clients use; the goals are about it
+VARIANTS = (BARE, Variant("b: a3b_llm", contract.LLM_MODEL), ENSEMBLE,
             Variant(f"d: ensemble, stream_interval {STREAM_INTERVAL}", contract.ENSEMBLE_MODEL, STREAM_INTERVAL))
-ENSEMBLE = VARIANTS[2]  # what clients use; the goals are about it
 # vLLM's CPU engine processes, whose waits for a CPU the report shows
 ENGINE_PROCESSES = ("VLLM::Worker", "VLLM::EngineCore")
 SETTLE_S = 2.0
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "overhead")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    variants = [v for v in VARIANTS if v.letter == VARIANTS[0].letter or v.letter in args.variants]
+    variants = [v for v in VARIANTS if v is BARE or v.letter in args.variants]
     command = "make bench-overhead" if not argv else " ".join(["python perf/overhead.py", *argv])
     profile = get_profile()
     os.environ.update(profile.engine_env())  # the served engine's settings (a3b_llm sets the same)
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = []
     for (variant, c), rounds in results.items():
-        base = results[(VARIANTS[0], c)]
+        base = results[(BARE, c)]
         ttft = paired_percent([statistics.median(r.ttft_ms) for r in rounds],
                               [statistics.median(b.ttft_ms) for b in base])
         itl = paired_percent([statistics.median(r.itl_ms) for r in rounds], [statistics.median(b.itl_ms) for b in base])

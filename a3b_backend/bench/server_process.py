@@ -13,6 +13,10 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 600
@@ -48,6 +52,17 @@ def process_name(cmdline: list[str]) -> str:
     return Path(cmdline[0]).name if cmdline else "?"
 
 
+def named_processes(root) -> Iterator[tuple[str, "psutil.Process"]]:
+    """The psutil process `root` and its descendants that still exist, each with its `process_name`."""
+    import psutil
+
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            yield process_name(proc.cmdline()), proc
+        except psutil.NoSuchProcess:
+            continue
+
+
 def engine_run_queue_wait_s(root, exclude: frozenset[int] = frozenset()) -> dict[str, float]:
     """Seconds so far that vLLM's engine processes under the psutil process `root`
     (not those under a pid in `exclude`) were ready to run but waited for a CPU,
@@ -59,10 +74,11 @@ def engine_run_queue_wait_s(root, exclude: frozenset[int] = frozenset()) -> dict
     import psutil
 
     totals: dict[str, float] = {}
-    for proc in root.children(recursive=True):
+    for name, proc in named_processes(root):
+        if not ENGINE_PROCESS.match(name):
+            continue
         try:
-            name = process_name(proc.cmdline())
-            if not ENGINE_PROCESS.match(name) or exclude & {p.pid for p in proc.parents()}:
+            if exclude & {p.pid for p in proc.parents()}:
                 continue
             tasks = Path(f"/proc/{proc.pid}/task")
             title = (tasks.parent / "comm").read_text()
@@ -98,11 +114,10 @@ class Server:
         """CPU seconds so far of each process in the server's tree, by `process_name` (same names summed)."""
         import psutil
 
-        root = psutil.Process(self.proc.pid)
         totals: dict[str, float] = {}
-        for proc in [root, *root.children(recursive=True)]:
+        for name, proc in named_processes(psutil.Process(self.proc.pid)):
             try:
-                name, times = process_name(proc.cmdline()), proc.cpu_times()
+                times = proc.cpu_times()
             except psutil.NoSuchProcess:
                 continue
             totals[name] = totals.get(name, 0.0) + times.user + times.system
