@@ -130,13 +130,22 @@ def latencies(records: list[RequestRecord]) -> tuple[list[float], list[float]]:
     return ttft, itl
 
 
-def paired_percent(variant: list[float], base: list[float], resamples: int = 10000) -> dict[str, float]:
-    """Mean per-round change of `variant` against `base` in %, with a 95% percentile-bootstrap interval."""
-    changes = np.array([100 * (v / b - 1) for v, b in zip(variant, base)])
+def percent_changes(variant: list[float], base: list[float]) -> np.ndarray:
+    """Each round's change of `variant` against `base`, in %."""
+    return np.array([100 * (v / b - 1) for v, b in zip(variant, base)])
+
+
+def bootstrap_mean(changes: np.ndarray, resamples: int = 10000) -> dict[str, float]:
+    """Mean of `changes` with a 95% percentile-bootstrap interval."""
     rng = np.random.default_rng(0)
     means = changes[rng.integers(0, len(changes), (resamples, len(changes)))].mean(axis=1)
     return {"mean": float(changes.mean()), "low": float(np.percentile(means, 2.5)),
             "high": float(np.percentile(means, 97.5))}
+
+
+def paired_percent(variant: list[float], base: list[float]) -> dict[str, float]:
+    """Mean per-round change of `variant` against `base` in %, with a 95% bootstrap interval."""
+    return bootstrap_mean(percent_changes(variant, base))
 
 
 def interval_text(change: dict[str, float]) -> str:
@@ -147,11 +156,13 @@ def interval_text(change: dict[str, float]) -> str:
 class Goal:
     """The serving path's cost over bare vLLM: the upper end of the ensemble's 95% interval at most `high_percent`."""
     measure: str  # the row's key
+    per_round: str  # the row's key of each round's median, in ms
     label: str
     high_percent: float
 
 
-GOALS = (Goal("itl_vs_a_percent", "inter-token", 3.0), Goal("ttft_vs_a_percent", "TTFT", 5.0))
+GOALS = (Goal("itl_vs_a_percent", "round_itl_ms", "inter-token", 3.0),
+         Goal("ttft_vs_a_percent", "round_ttft_ms", "TTFT", 5.0))
 GOAL_CONCURRENCY = (8, 32)
 
 
@@ -319,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
         "response; serving CPU, per response, is that of tritonserver and its Python stubs (vLLM's engine "
         "processes left out) for b, c and d, and this process's (AsyncLLM's front end) for a. "
         "Waiting for a CPU: the time the variant's vLLM processes were ready to run but not running (the "
-        "kernel's schedstat, all their threads), over the rounds' wall time. "
+        "kernel's schedstat of their threads that carry the process's name), over the rounds' wall time. "
         f"a3b_llm paces each stream's responses at {profile.stream_responses_per_s:g} responses/s "
         "over all streams (a3b_backend/pacing.py).\n"
         f"Goals, at concurrency {' and '.join(map(str, GOAL_CONCURRENCY))}: the interval of {ENSEMBLE.name} ends "

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from a3b_backend import contract
@@ -325,3 +326,38 @@ def test_engine_run_queue_wait_is_read_by_vllm_process_title():
         for proc in [*root.children(), root]:
             proc.kill()
         parent.wait()
+
+
+def test_overhead_over_runs_holds_the_spread_between_runs(tmp_path):
+    """perf/overhead_runs.py: each run's interval as its own report gives it, and a pooled interval
+    that spans runs whose means differ, however narrow each run's own interval is."""
+    sys.path.insert(0, str(ROOT / "perf"))
+    import overhead
+    import overhead_runs
+
+    rng = np.random.default_rng(1)
+    steady, shifted = rng.normal(0.0, 0.1, 48), rng.normal(10.0, 0.1, 24)
+    pooled = overhead_runs.two_level_percent([steady, shifted])
+    assert pooled["mean"] == pytest.approx(5.0, abs=0.1)
+    assert pooled["low"] < 1.0 and pooled["high"] > 9.0
+    same = overhead_runs.two_level_percent([np.full(8, 2.0), np.full(12, 2.0)])
+    assert same == pytest.approx({"mean": 2.0, "low": 2.0, "high": 2.0})
+
+    def write_run(name: str, itl_factor: float) -> Path:
+        rows = [dict(variant=v.name, concurrency=c, round_itl_ms=[100.0 * f] * 4, round_ttft_ms=[1000.0] * 4)
+                for c in overhead.GOAL_CONCURRENCY for v, f in ((overhead.BARE, 1.0), (overhead.ENSEMBLE, itl_factor))]
+        run = tmp_path / name
+        run.mkdir()
+        (run / "overhead.json").write_text(json.dumps(rows))
+        (run / "overhead.md").write_text("Machine: Some CPU, 2 cores. Command: `x`.")
+        return run
+
+    changes = overhead_runs.round_changes(json.loads((write_run("a", 1.02) / "overhead.json").read_text()),
+                                          "round_itl_ms", 8)
+    assert changes == pytest.approx([2.0] * 4)
+    overhead_runs.main([str(tmp_path / "a"), str(write_run("b", 1.06)), "--out", str(tmp_path / "out")])
+    report = (tmp_path / "out" / "overhead_runs.md").read_text()
+    assert "| a | Some CPU, 2 cores | 4/4 | +2.0 [+2.0, +2.0] | +2.0 [+2.0, +2.0] |" in report
+    assert "- all runs: concurrency 8, inter-token: +4.0 [+2.0, +6.0] %, upper end at most +3: missed" in report
+    assert "- all runs: concurrency 32, TTFT: +0.0 [+0.0, +0.0] %, upper end at most +5: met" in report
+    assert (tmp_path / "out" / "overhead_runs.png").stat().st_size > 0
