@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> None:
                 summary[f"rounds@{c}"] = len(per_round)
                 changes.setdefault(key, []).append(per_round)
         per_run[run.name] = summary
+    machines = {s["machine"] for s in per_run.values()}
+    if len(machines) > 1:
+        parser.error(f"the runs are from {len(machines)} machines ({', '.join(sorted(machines))}); "
+                     "pool runs of one machine kind")
     pooled = {key: two_level_percent(runs) for key, runs in changes.items()}
 
     columns = [(goal, c) for goal in GOALS for c in GOAL_CONCURRENCY]

@@ -343,13 +343,13 @@ def test_overhead_over_runs_holds_the_spread_between_runs(tmp_path):
     same = overhead_runs.two_level_percent([np.full(8, 2.0), np.full(12, 2.0)])
     assert same == pytest.approx({"mean": 2.0, "low": 2.0, "high": 2.0})
 
-    def write_run(name: str, itl_factor: float) -> Path:
+    def write_run(name: str, itl_factor: float, machine: str = "Some CPU, 2 cores") -> Path:
         rows = [dict(variant=v.name, concurrency=c, round_itl_ms=[100.0 * f] * 4, round_ttft_ms=[1000.0] * 4)
                 for c in overhead.GOAL_CONCURRENCY for v, f in ((overhead.BARE, 1.0), (overhead.ENSEMBLE, itl_factor))]
         run = tmp_path / name
         run.mkdir()
         (run / "overhead.json").write_text(json.dumps(rows))
-        (run / "overhead.md").write_text("Machine: Some CPU, 2 cores. Command: `x`.")
+        (run / "overhead.md").write_text(f"Machine: {machine}. Command: `x`.")
         return run
 
     changes = overhead_runs.round_changes(json.loads((write_run("a", 1.02) / "overhead.json").read_text()),
@@ -361,3 +361,5 @@ def test_overhead_over_runs_holds_the_spread_between_runs(tmp_path):
     assert "- all runs: concurrency 8, inter-token: +4.0 [+2.0, +6.0] %, upper end at most +3: missed" in report
     assert "- all runs: concurrency 32, TTFT: +0.0 [+0.0, +0.0] %, upper end at most +5: met" in report
     assert (tmp_path / "out" / "overhead_runs.png").stat().st_size > 0
+    with pytest.raises(SystemExit):  # runs of two machines are not pooled
+        overhead_runs.main([str(tmp_path / "a"), str(write_run("c", 1.0, "Other CPU, 16 cores"))])
