@@ -1,7 +1,8 @@
 """What Triton adds: the same prompts and sampling through (a) vLLM's AsyncLLM
 directly in this process, (b) `a3b_llm` through tritonserver (token ids in and
 out), (c) the full `ensemble` (text in, text out) and (d) the ensemble asked
-for STREAM_INTERVAL tokens per response, interleaved a b c d d c b a a b c d ...
+for STREAM_INTERVAL tokens per response, interleaved a b c d d c b a a b c d ...;
+on request (--variants e), (e) a second AsyncLLM in this process, set up as a's.
 
     make bench-overhead       # starts its own server; table + PNG under perf/results/overhead/
 
@@ -48,6 +49,7 @@ class Variant:
     name: str
     model: str | None  # the served model asked; None: vLLM's AsyncLLM in this process
     stream_interval: int | None = None  # asked for in sampling_parameters
+    engine: int = 0  # which of this process's AsyncLLM engines, where model is None
 
     @property
     def letter(self) -> str:
@@ -61,6 +63,11 @@ BARE = Variant("a: AsyncLLM", None)  # the baseline every variant is compared wi
 ENSEMBLE = Variant("c: ensemble", contract.ENSEMBLE_MODEL)  # what clients use; the goals are about it
 VARIANTS = (BARE, Variant("b: a3b_llm", contract.LLM_MODEL), ENSEMBLE,
             Variant(f"d: ensemble, stream_interval {STREAM_INTERVAL}", contract.ENSEMBLE_MODEL, STREAM_INTERVAL))
+# e: a second AsyncLLM in this process, configured as a's, against a as any
+# variant is: the change between two engines that differ in nothing but the
+# instance, the floor under what the comparison can tell apart. Not run unless
+# asked for.
+SECOND_ENGINE = Variant("e: AsyncLLM, a second engine", None, engine=1)
 # vLLM's CPU engine processes, whose waits for a CPU the report shows
 ENGINE_PROCESSES = ("VLLM::Worker", "VLLM::EngineCore")
 SETTLE_S = 2.0
@@ -212,13 +219,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--warmup-rounds", type=int, default=6,
                         help=f"interleaved rounds at concurrency {WARMUP_CONCURRENCY} first, not measured")
-    parser.add_argument("--variants", nargs="+", choices=[v.letter for v in VARIANTS],
+    parser.add_argument("--variants", nargs="+", choices=[v.letter for v in (*VARIANTS, SECOND_ENGINE)],
                         default=[v.letter for v in VARIANTS],
                         help="which variants run (a, the baseline, always does); fewer make a round shorter")
     parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "overhead")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    variants = [v for v in VARIANTS if v is BARE or v.letter in args.variants]
+    variants = [v for v in (*VARIANTS, SECOND_ENGINE) if v is BARE or v.letter in args.variants]
     command = "make bench-overhead" if not argv else " ".join(["python perf/overhead.py", *argv])
     profile = get_profile()
     os.environ.update(profile.engine_env())  # the served engine's settings (a3b_llm sets the same)
@@ -235,19 +242,22 @@ def main(argv: list[str] | None = None) -> None:
         server = server_process.start(Path(tmp) / "tritonserver.log")
         loop = asyncio.new_event_loop()
         try:
-            print("starting AsyncLLM in this process ...", flush=True)
-            engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**profile.engine_args(ROOT)))
+            engines = []
+            for _ in range(1 + max(v.engine for v in variants)):
+                print(f"starting AsyncLLM {len(engines) + 1} in this process ...", flush=True)
+                engines.append(AsyncLLM.from_engine_args(AsyncEngineArgs(**profile.engine_args(ROOT))))
 
             def engine_wait_s(variant: Variant) -> dict[str, float]:
                 if variant.model:
                     return server.engine_wait_s()
-                return server_process.engine_run_queue_wait_s(psutil.Process(), exclude=frozenset({server.proc.pid}))
+                (engine_core,) = engines[variant.engine].engine_core.resources.engine_manager.processes
+                return server_process.engine_run_queue_wait_s(psutil.Process(engine_core.pid))
 
             def run(variant: Variant, ids: list[list[int]]) -> Round:
                 cpu_before, wall_before = time.process_time(), time.monotonic()
                 served_before, wait_before = server.serving_cpu_s(), engine_wait_s(variant)
                 if variant.model is None:
-                    records = loop.run_until_complete(direct_round(engine, ids))
+                    records = loop.run_until_complete(direct_round(engines[variant.engine], ids))
                 else:
                     requests, output = served_requests(variant.model, ids, tokenizer, variant.stream_interval)
                     records = loop.run_until_complete(loadgen.stream_all(
@@ -275,7 +285,8 @@ def main(argv: list[str] | None = None) -> None:
                         # OpenMP threads spinning for a while and would slow the next
                         # variant's prefill (seen: TTFT 2x for whichever engine ran second).
                         time.sleep(SETTLE_S)
-            engine.shutdown()
+            for engine in engines:
+                engine.shutdown()
         finally:
             loop.close()
             server.stop()

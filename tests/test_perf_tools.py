@@ -321,7 +321,6 @@ def test_engine_run_queue_wait_is_read_by_vllm_process_title():
             time.sleep(0.05)
         waited = server_process.engine_run_queue_wait_s(root)
         assert set(waited) == {"VLLM::Worker"} and waited["VLLM::Worker"] >= 0
-        assert server_process.engine_run_queue_wait_s(root, exclude=frozenset({parent.pid})) == {}
     finally:
         for proc in [*root.children(), root]:
             proc.kill()

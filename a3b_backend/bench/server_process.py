@@ -63,11 +63,11 @@ def named_processes(root) -> Iterator[tuple[str, "psutil.Process"]]:
             continue
 
 
-def engine_run_queue_wait_s(root, exclude: frozenset[int] = frozenset()) -> dict[str, float]:
-    """Seconds so far that vLLM's engine processes under the psutil process `root`
-    (not those under a pid in `exclude`) were ready to run but waited for a CPU,
-    by process title: the kernel's schedstat of the threads that carry the
-    process's name (the main thread and OpenMP's). Helper threads with names of
+def engine_run_queue_wait_s(root) -> dict[str, float]:
+    """Seconds so far that vLLM's engine processes in the tree of the psutil
+    process `root` were ready to run but waited for a CPU, by process title:
+    the kernel's schedstat of the threads that carry the process's name (the
+    main thread and OpenMP's). Helper threads with names of
     their own are left out: torch's gloo threads, bound to the worker's CPUs,
     wake now and then and queue behind the busy worker, which says nothing of
     what delays a step."""
@@ -78,8 +78,6 @@ def engine_run_queue_wait_s(root, exclude: frozenset[int] = frozenset()) -> dict
         if not ENGINE_PROCESS.match(name):
             continue
         try:
-            if exclude & {p.pid for p in proc.parents()}:
-                continue
             tasks = Path(f"/proc/{proc.pid}/task")
             title = (tasks.parent / "comm").read_text()
             waited_ns = sum(int((task / "schedstat").read_text().split()[1])
