@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 MODEL_DIR ?= models/smollm2-135m-instruct
 QWEN_TINY_DIR := models/qwen3.6-tiny
 
-.PHONY: setup model model-qwen serve test test-distributed test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust bench-overload bench-serving-path bench-serving-cpu bench-overhead bench-overhead-goal bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu profile-gpu kv-report quality quant-tools compare-quant clean
+.PHONY: setup model model-qwen serve test test-distributed test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust bench-overload bench-serving-path bench-serving-cpu bench-overhead bench-overhead-goal overhead-runs bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu profile-gpu kv-report quality quant-tools compare-quant clean
 
 setup:
 	bash scripts/setup.sh
@@ -112,6 +112,12 @@ bench-overhead: setup model
 # 48 rounds at 8 and 32 streams (about 50 min)
 bench-overhead-goal: setup model
 	$(PY) perf/overhead.py --rounds 48 --concurrency 8 32 --variants c --out perf/results/overhead/goal
+
+# the ensemble against bare AsyncLLM over the committed runs of that comparison on the 2-core AMD EPYC with
+# EngineCore sleeping: each run's interval, and one that also holds the spread between runs
+OVERHEAD_RUNS = rounds24_engine_sleeps rounds24_engine_sleeps_repeat goal_run1 goal_run2 goal
+overhead-runs: setup
+	$(PY) perf/overhead_runs.py $(addprefix perf/results/overhead/,$(OVERHEAD_RUNS))
 
 # CPU per streamed token of each process of tritonserver's tree (stubs, engine): a3b_llm, ensemble and the
 # ensemble at stream_interval 4 and 32, whose cost it splits into a part per response and a part per token
