@@ -115,7 +115,7 @@ bench-overhead-goal: setup model
 
 # the ensemble against bare AsyncLLM over the committed runs of that comparison on the 2-core AMD EPYC with
 # EngineCore sleeping: each run's interval, and one that also holds the spread between runs
-OVERHEAD_RUNS = rounds24_engine_sleeps rounds24_engine_sleeps_repeat goal_run1 goal_run2 goal
+OVERHEAD_RUNS = rounds24_engine_sleeps rounds24_engine_sleeps_repeat goal_run1 goal_run2 goal second_engine
 overhead-runs: setup
 	$(PY) perf/overhead_runs.py $(addprefix perf/results/overhead/,$(OVERHEAD_RUNS))
 
