@@ -23,8 +23,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import (BARE, ENSEMBLE, GOAL_CONCURRENCY, GOALS, bootstrap_mean, goal_verdicts,  # noqa: E402
-                      interval_text, percent_changes)
+from overhead import (BARE, ENSEMBLE, GOAL_CONCURRENCY, GOALS, Goal, bootstrap_mean,  # noqa: E402
+                      goal_verdicts, interval_text, percent_changes)
 
 RESULTS = ROOT / "perf" / "results" / "overhead"
 
@@ -51,8 +51,16 @@ def two_level_percent(runs: list[np.ndarray], resamples: int = 10000) -> dict[st
 
 
 def machine_of(run: Path) -> str:
-    found = re.search(r"Machine: (.*?)\. Command", (run / "overhead.md").read_text())
-    return found.group(1) if found else "?"
+    report = run / "overhead.md"
+    found = re.search(r"Machine: (.*?)\. Command", report.read_text())
+    if not found:
+        raise ValueError(f"{report} names no machine ('Machine: ... . Command'), so its run cannot be pooled")
+    return found.group(1)
+
+
+def measure_key(goal: Goal, concurrency: int) -> str:
+    """Where a run's summary and the pooled result keep one goal's interval at one concurrency."""
+    return f"{goal.measure}@{concurrency}"
 
 
 def plot(per_run: dict[str, dict], pooled: dict, path: Path) -> None:
@@ -65,7 +73,7 @@ def plot(per_run: dict[str, dict], pooled: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 0.5 * len(per_run) + 2.5), sharey=True)
     labels = [*per_run, "all runs"]
     for ax, (goal, c) in zip(axes, panels):
-        key = f"{goal.measure}@{c}"
+        key = measure_key(goal, c)
         for y, change in enumerate([*(run[key] for run in per_run.values()), pooled[key]]):
             ax.errorbar(change["mean"], y, xerr=[[change["mean"] - change["low"]], [change["high"] - change["mean"]]],
                         fmt="o", color="black" if y == len(per_run) else "tab:blue", capsize=3)
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         summary = {"machine": machine_of(run)}
         for goal in GOALS:
             for c in GOAL_CONCURRENCY:
-                key = f"{goal.measure}@{c}"
+                key = measure_key(goal, c)
                 per_round = round_changes(rows, goal.per_round, c)
                 summary[key] = bootstrap_mean(per_round)
                 summary[f"rounds@{c}"] = len(per_round)
@@ -111,11 +119,11 @@ def main(argv: list[str] | None = None) -> None:
               + "|---" * (3 + len(columns)) + "|\n")
     table = header + "".join(
         f"| {name} | {s['machine']} | {'/'.join(str(s[f'rounds@{c}']) for c in GOAL_CONCURRENCY)} | "
-        + " | ".join(interval_text(s[f"{g.measure}@{c}"]) for g, c in columns) + " |\n"
+        + " | ".join(interval_text(s[measure_key(g, c)]) for g, c in columns) + " |\n"
         for name, s in per_run.items())
     table += (f"| all {len(per_run)} runs (two-level bootstrap) | | | "
-              + " | ".join(interval_text(pooled[f"{g.measure}@{c}"]) for g, c in columns) + " |\n")
-    rows = [{"variant": ENSEMBLE.name, "concurrency": c, **{g.measure: pooled[f"{g.measure}@{c}"] for g in GOALS}}
+              + " | ".join(interval_text(pooled[measure_key(g, c)]) for g, c in columns) + " |\n")
+    rows = [{"variant": ENSEMBLE.name, "concurrency": c, **{g.measure: pooled[measure_key(g, c)] for g in GOALS}}
             for c in GOAL_CONCURRENCY]
     verdicts = goal_verdicts(rows)
     print(table + "".join(f"goal, all runs: {line}\n" for line in verdicts))
