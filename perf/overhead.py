@@ -127,6 +127,12 @@ class Round:
     wall_s: float
 
 
+def engine_core_process(engine) -> psutil.Process:
+    """An AsyncLLM's one EngineCore process, whose tree holds its worker."""
+    (engine_core,) = engine.engine_core.resources.engine_manager.processes
+    return psutil.Process(engine_core.pid)
+
+
 def latencies(records: list[RequestRecord]) -> tuple[list[float], list[float]]:
     """(TTFT ms, inter-token ms) per request; every request made exactly OUTPUT_TOKENS tokens."""
     for r in records:
@@ -246,12 +252,12 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(1 + max(v.engine for v in variants)):
                 print(f"starting AsyncLLM {len(engines) + 1} in this process ...", flush=True)
                 engines.append(AsyncLLM.from_engine_args(AsyncEngineArgs(**profile.engine_args(ROOT))))
+            engine_cores = [engine_core_process(engine) for engine in engines]
 
             def engine_wait_s(variant: Variant) -> dict[str, float]:
                 if variant.model:
                     return server.engine_wait_s()
-                (engine_core,) = engines[variant.engine].engine_core.resources.engine_manager.processes
-                return server_process.engine_run_queue_wait_s(psutil.Process(engine_core.pid))
+                return server_process.engine_run_queue_wait_s(engine_cores[variant.engine])
 
             def run(variant: Variant, ids: list[list[int]]) -> Round:
                 cpu_before, wall_before = time.process_time(), time.monotonic()
@@ -291,12 +297,12 @@ def main(argv: list[str] | None = None) -> None:
             loop.close()
             server.stop()
 
+    # each round's medians (TTFT, inter-token), by variant and concurrency
+    medians = {key: ([statistics.median(r.ttft_ms) for r in rounds], [statistics.median(r.itl_ms) for r in rounds])
+               for key, rounds in results.items()}
     rows = []
     for (variant, c), rounds in results.items():
-        base = results[(BARE, c)]
-        ttft = paired_percent([statistics.median(r.ttft_ms) for r in rounds],
-                              [statistics.median(b.ttft_ms) for b in base])
-        itl = paired_percent([statistics.median(r.itl_ms) for r in rounds], [statistics.median(b.itl_ms) for b in base])
+        (round_ttft, round_itl), (base_ttft, base_itl) = medians[(variant, c)], medians[(BARE, c)]
         responses = sum(r.responses for r in rounds)
         rows.append(dict(variant=variant.name, concurrency=c, rounds=len(rounds),
                          ttft_ms=statistics.median(x for r in rounds for x in r.ttft_ms),
@@ -305,11 +311,11 @@ def main(argv: list[str] | None = None) -> None:
                          serving_cpu_ms_per_response=1000 * sum(r.serving_cpu_s for r in rounds) / responses,
                          client_cpu_ms_per_response=(1000 * sum(r.process_cpu_s for r in rounds) / responses
                                                      if variant.model else None),
-                         ttft_vs_a_percent=ttft, itl_vs_a_percent=itl,
+                         ttft_vs_a_percent=paired_percent(round_ttft, base_ttft),
+                         itl_vs_a_percent=paired_percent(round_itl, base_itl),
                          engine_wait_percent={name: 100 * sum(r.engine_wait_s.get(name, 0.0) for r in rounds)
                                               / sum(r.wall_s for r in rounds) for name in ENGINE_PROCESSES},
-                         round_ttft_ms=[statistics.median(r.ttft_ms) for r in rounds],
-                         round_itl_ms=[statistics.median(r.itl_ms) for r in rounds]))
+                         round_ttft_ms=round_ttft, round_itl_ms=round_itl))
     header = ("| variant | concurrency | TTFT median ms | ITL median ms | responses per request | "
               "serving CPU ms per response | client CPU ms per response | TTFT vs a, % (mean [95% interval]) | "
               "ITL vs a, % (mean [95% interval]) | "

@@ -100,13 +100,13 @@ def main(argv: list[str] | None = None) -> None:
     for run in args.runs:
         rows = json.loads((run / "overhead.json").read_text())
         summary = {"machine": machine_of(run)}
-        for goal in GOALS:
-            for c in GOAL_CONCURRENCY:
+        for c in GOAL_CONCURRENCY:
+            for goal in GOALS:
                 key = measure_key(goal, c)
                 per_round = round_changes(rows, goal.per_round, c)
                 summary[key] = bootstrap_mean(per_round)
-                summary[f"rounds@{c}"] = len(per_round)
                 changes.setdefault(key, []).append(per_round)
+            summary[f"rounds@{c}"] = len(per_round)
         per_run[run.name] = summary
     machines = {s["machine"] for s in per_run.values()}
     if len(machines) > 1:

@@ -311,20 +311,17 @@ def test_engine_run_queue_wait_is_read_by_vllm_process_title():
 
     from a3b_backend.bench import server_process
 
-    # a shell whose one child carries vLLM's worker title (the session's server has engine processes of its own)
-    parent = subprocess.Popen(["bash", "-c", 'bash -c \'exec -a "VLLM::Worker" sleep 30\' & wait'])
-    root = psutil.Process(parent.pid)
+    worker = subprocess.Popen(["bash", "-c", 'exec -a "VLLM::Worker" sleep 30'])
     try:
         for _ in range(100):  # until exec has retitled it
-            if [c.cmdline()[:1] for c in root.children()] == [["VLLM::Worker"]]:
+            if psutil.Process(worker.pid).cmdline()[:1] == ["VLLM::Worker"]:
                 break
             time.sleep(0.05)
-        waited = server_process.engine_run_queue_wait_s(root)
+        waited = server_process.engine_run_queue_wait_s(psutil.Process(worker.pid))
         assert set(waited) == {"VLLM::Worker"} and waited["VLLM::Worker"] >= 0
     finally:
-        for proc in [*root.children(), root]:
-            proc.kill()
-        parent.wait()
+        worker.kill()
+        worker.wait()
 
 
 def test_overhead_over_runs_holds_the_spread_between_runs(tmp_path):
