@@ -3,6 +3,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL_DIR ?= models/smollm2-135m-instruct
 QWEN_TINY_DIR := models/qwen3.6-tiny
+# One name for the profile everywhere: the server, the Kubernetes manifests and
+# every target here read A3B_PROFILE.
+A3B_PROFILE ?= cpu
+ifeq ($(origin PROFILE),command line)
+$(error PROFILE=$(PROFILE) is not read: name the profile with A3B_PROFILE=$(PROFILE), as make serve does)
+endif
 
 .PHONY: setup model model-qwen serve test test-distributed test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust bench-overload bench-serving-path bench-serving-cpu bench-overhead bench-overhead-goal overhead-runs bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu profile-gpu kv-report quality quant-tools compare-quant clean
 
@@ -15,18 +21,18 @@ setup:
 # ~4 min on 2 cores). Nearest rounding: error-compensating rounding's
 # Hessians need varied text (README, "A3B quantization"), and one licence is not.
 model: setup
-	$(PY) -m a3b_backend.prepare_model --out $(MODEL_DIR)
+	$(PY) -m a3b_backend.prepare.smollm2 --out $(MODEL_DIR)
 	test -d $(MODEL_DIR)-a3b || $(PY) -m a3b_backend.quant.convert $(MODEL_DIR) $(MODEL_DIR)-a3b \
 	  --calibration-text /usr/share/common-licenses/GPL-3 --calibration-tokens 8192 --rounding nearest
 
 # Qwen3.6-35B-A3B's architecture at toy width, random weights, and its A3B
 # conversion: the `qwen-tiny` profile's model (A3B_PROFILE=qwen-tiny make serve).
 model-qwen: setup
-	$(PY) -m a3b_backend.qwen_tiny --out $(QWEN_TINY_DIR)
+	$(PY) -m a3b_backend.prepare.qwen_tiny --out $(QWEN_TINY_DIR)
 	test -d $(QWEN_TINY_DIR)-a3b || $(PY) -m a3b_backend.quant.convert $(QWEN_TINY_DIR) $(QWEN_TINY_DIR)-a3b
 
 render: setup
-	$(PY) -m a3b_backend.repository
+	$(PY) -m a3b_backend.deploy.repository
 
 serve: setup model $(if $(filter qwen-tiny,$(A3B_PROFILE)),model-qwen)
 	bash scripts/serve.sh
@@ -49,10 +55,9 @@ test-unit: setup model model-qwen
 perf-tools:
 	bash scripts/perf_tools.sh
 
-# perf_analyzer input files for a profile (PROFILE=cpu|h200|a100x8), exact token lengths
-PROFILE ?= cpu
+# perf_analyzer input files for a profile (A3B_PROFILE=cpu|h200|a100x8), exact token lengths
 perf-inputs: setup model
-	$(PY) -m a3b_backend.bench.perf_inputs --profile $(PROFILE) --out perf/inputs/$(PROFILE)
+	$(PY) -m a3b_backend.bench.perf_inputs --profile $(A3B_PROFILE) --out perf/inputs/$(A3B_PROFILE)
 
 # Targets that measure a running server leave its environment alone (setup
 # would rewrite files the server is using).
@@ -62,7 +67,7 @@ need-venv:
 # perf_analyzer sweep of the profile's plan against the running server (`make serve`), report under perf/results/
 PERF_URL ?= localhost:8001
 perf: need-venv perf-tools
-	$(PY) perf/run_perf.py --profile $(PROFILE) --url $(PERF_URL)
+	$(PY) perf/run_perf.py --profile $(A3B_PROFILE) --url $(PERF_URL)
 
 # genai-perf with its stock payloads against `ensemble`, in both request flavours
 genai-perf: need-venv perf-tools
@@ -86,7 +91,7 @@ locust: perf-tools
 
 # admitted-request latency and refusals past the admission limit, against the running server
 bench-overload: need-venv perf-tools
-	$(PY) perf/overload.py --profile $(PROFILE) --url $(PERF_URL)
+	$(PY) perf/overload.py --profile $(A3B_PROFILE) --url $(PERF_URL)
 
 # TTFT on the RAG mix with and without prefix caching (its own engines)
 bench-prefix-cache: setup model

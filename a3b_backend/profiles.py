@@ -11,8 +11,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from a3b_backend.pacing import ResponsePacing
-
+# The checkout (the package is installed editable): models/, model_repository/, perf/ and scripts/ sit here.
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# Real English text on every Debian machine: calibration text and the perf corpus.
+LICENCE_TEXTS = Path("/usr/share/common-licenses")
 PROFILE_ENV = "A3B_PROFILE"
 MODEL_DIR_ENV = "A3B_MODEL_DIR"
 DEFAULT_PROFILE = "cpu"
@@ -21,7 +23,7 @@ DEFAULT_PROFILE = "cpu"
 # scripts/vllm_node.sh the others).
 NODE_RANK_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV = "A3B_NODE_RANK", "A3B_MASTER_ADDR", "A3B_MASTER_PORT"
 DEFAULT_MASTER_PORT = 29501
-# Read by vLLM's processes (a3b_backend/engine_wait.py)
+# Read by vLLM's processes (a3b_backend/engine/busy_wait.py)
 ENGINE_BUSY_WAIT_ENV = "A3B_ENGINE_BUSY_WAIT_S"
 
 
@@ -110,7 +112,7 @@ class Profile:
     # vLLM's parsers for return_reasoning / return_tool_calls (None: refused)
     reasoning_parser: str | None = None
     tool_parser: str | None = None
-    # LoRA limits, used when the repository enables adapters (a3b_backend/lora.py):
+    # LoRA limits, used when the repository enables adapters (a3b_backend/serving/lora.py):
     # the largest adapter rank and the adapters one batch may mix.
     max_lora_rank: int = 16
     max_loras: int = 4
@@ -128,7 +130,7 @@ class Profile:
     max_in_flight: int = 256
     max_stop_words: int = 16
     max_stop_word_chars: int = 256
-    # Responses per second all streams together may send (a3b_backend/pacing.py):
+    # Responses per second all streams together may send (a3b_backend/serving/pacing.py):
     # below the serving path's ceiling, which make bench-serving-path measured
     # at about 2,000 per second on the 2-core CPU machine (README Performance,
     # where 1,600 against 1,200 is compared too). Hosts with more cores carry
@@ -140,10 +142,6 @@ class Profile:
     def parses_output(self) -> bool:
         """Whether reasoning or tool calls can be parsed out of answers (return_reasoning / return_tool_calls)."""
         return self.reasoning_parser is not None or self.tool_parser is not None
-
-    @property
-    def pacing(self) -> ResponsePacing:
-        return ResponsePacing(self.stream_responses_per_s)
 
     @property
     def restart_needs(self) -> str | None:
@@ -249,7 +247,7 @@ _SINGLE_NODE = (
     ),
 )
 # Qwen3.6-35B-A3B's text architecture at toy width (`make model-qwen`,
-# a3b_backend/qwen_tiny.py), A3B-quantized, on the CPU stack: the h200
+# a3b_backend/prepare/qwen_tiny.py), A3B-quantized, on the CPU stack: the h200
 # profile's settings with CPU numbers. bf16 because vLLM's CPU Gated DeltaNet
 # kernel runs in bf16 only; eager, as the cpu profile.
 _QWEN_TINY = Profile(
@@ -300,14 +298,41 @@ def get_profile(name: str | None = None) -> Profile:
         ) from None
 
 
-def request_limits(profile: Profile):
-    from a3b_backend.request import Limits
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+EXECUTORS = (None, "mp", "ray", "uni")
 
-    return Limits(
-        max_model_len=profile.max_model_len,
-        default_max_tokens=profile.default_max_tokens,
-        max_stop_words=profile.max_stop_words,
-        max_stop_word_chars=profile.max_stop_word_chars,
-        reasoning_parser=profile.reasoning_parser,
-        tool_parser=profile.tool_parser,
-    )
+
+def check_profile(p: Profile) -> list[str]:
+    """Problems that would only show on the target hardware, found here."""
+    problems = []
+    world = p.tensor_parallel_size * p.pipeline_parallel_size
+    if p.gpus_per_node == 0:
+        if p.tensor_parallel_size != 1 or world != p.nodes:
+            problems.append(f"{p.name}: a CPU profile runs one worker per node (tp*pp={world}, nodes={p.nodes})")
+    elif world != p.gpus_per_node * p.nodes:
+        problems.append(f"{p.name}: tensor_parallel_size*pipeline_parallel_size = {world} but the profile declares "
+                        f"{p.gpus_per_node} GPUs x {p.nodes} nodes = {p.gpus_per_node * p.nodes}")
+    if p.tensor_parallel_size > max(p.gpus_per_node, 1):
+        problems.append(f"{p.name}: tensor parallel size {p.tensor_parallel_size} spans nodes "
+                        f"({p.gpus_per_node} GPUs per node); use pipeline parallelism across nodes")
+    if p.max_model_len > p.model_context_limit:
+        problems.append(f"{p.name}: max_model_len {p.max_model_len} exceeds the model's context "
+                        f"{p.model_context_limit}")
+    if p.default_max_tokens >= p.max_model_len:
+        problems.append(f"{p.name}: default_max_tokens {p.default_max_tokens} leaves no room for a prompt")
+    if p.nodes > 1 and p.distributed_executor_backend != "mp":
+        problems.append(f"{p.name}: {p.nodes} nodes need distributed_executor_backend 'mp' (vLLM's nnodes), "
+                        f"not {p.distributed_executor_backend!r}")
+    if p.distributed_executor_backend not in EXECUTORS:
+        problems.append(f"{p.name}: unknown executor {p.distributed_executor_backend!r}")
+    if p.kv_cache_dtype not in KV_CACHE_DTYPES:
+        problems.append(f"{p.name}: kv_cache_dtype {p.kv_cache_dtype!r} not one of {KV_CACHE_DTYPES}")
+    if p.enable_expert_parallel and world == 1:
+        problems.append(f"{p.name}: expert parallelism needs more than one GPU")
+    if p.max_in_flight < p.max_num_seqs:
+        problems.append(f"{p.name}: max_in_flight {p.max_in_flight} below max_num_seqs {p.max_num_seqs} "
+                        "leaves engine slots unused")
+    if p.max_num_batched_tokens is not None and not p.enable_chunked_prefill \
+            and p.max_num_batched_tokens < p.max_model_len:
+        problems.append(f"{p.name}: without chunked prefill max_num_batched_tokens must cover max_model_len")
+    return problems

@@ -24,9 +24,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from a3b_backend.profiles import PROJECT_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 BF16_DIR = "models/smollm2-135m-instruct"  # `make model` writes it, then its A3B copy (the profile's)
 VARIANTS = {"bf16": (BF16_DIR, None), "a3b-fused": (None, "fused"), "a3b-dequant": (None, "dequant"),
             "a3b-expand": (None, "expand")}
@@ -51,16 +50,16 @@ def measure(variant: str) -> dict:
     from vllm.inputs import TokensPrompt
 
     from a3b_backend.profiles import get_profile
-    from a3b_backend.vllm_a3b import linear_weight_bytes
+    from a3b_backend.bench.engine_probes import linear_weight_bytes
 
     model_dir, strategy = VARIANTS[variant]
     # apply_model ships linear_bytes to the worker process by pickle (local processes only).
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if strategy:
         os.environ["A3B_CPU_LINEAR"] = strategy
-    args = get_profile("cpu").engine_args(ROOT)
+    args = get_profile("cpu").engine_args(PROJECT_ROOT)
     if model_dir:
-        args["model"] = str(ROOT / model_dir)
+        args["model"] = str(PROJECT_ROOT / model_dir)
     tokenizer = AutoTokenizer.from_pretrained(args["model"])
     llm = LLM(**args)
     greedy = SamplingParams(temperature=0, max_tokens=AGREEMENT_TOKENS, ignore_eos=True)
@@ -122,7 +121,7 @@ def report(rows: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", choices=VARIANTS)
-    parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results")
+    parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "perf" / "results")
     parser.add_argument("--report-only", action="store_true", help="re-render the table from the saved JSON")
     args = parser.parse_args()
     if args.variant:

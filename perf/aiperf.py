@@ -19,22 +19,22 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from a3b_backend.profiles import PROJECT_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-TEMPLATE = ROOT / "perf" / "inputs" / "aiperf_generate_stream.jinja"
+TEMPLATE = PROJECT_ROOT / "perf" / "inputs" / "aiperf_generate_stream.jinja"
 METRICS = (("time_to_first_token", "TTFT"), ("inter_token_latency", "ITL"))
 STATS = ("avg", "p50", "p99")
 
 
 def genai_perf_command(args: argparse.Namespace, out: Path) -> list[str]:
-    return ["bash", str(ROOT / "scripts" / "genai_perf.sh"), "profile", "-m", "ensemble", "--endpoint-type", "kserve",
+    return ["bash", str(PROJECT_ROOT / "scripts" / "genai_perf.sh"), "profile", "-m", "ensemble", "--endpoint-type", "kserve",
             "--backend", "vllm", "--streaming", "--tokenizer", str(args.tokenizer), "-u", args.grpc_url,
             "--synthetic-input-tokens-mean", str(args.isl), "--output-tokens-mean", str(args.osl),
             "--concurrency", str(args.concurrency), "--request-count", str(args.requests), "--artifact-dir", str(out)]
 
 
 def aiperf_command(args: argparse.Namespace, out: Path) -> list[str]:
-    return [str(ROOT / ".venv-aiperf" / "bin" / "aiperf"), "profile", "--model", "ensemble", "--url", args.http_url,
+    return [str(PROJECT_ROOT / ".venv-aiperf" / "bin" / "aiperf"), "profile", "--model", "ensemble", "--url", args.http_url,
             "--endpoint", "/v2/models/ensemble/generate_stream", "--endpoint-type", "template", "--streaming",
             "--extra-inputs", f"payload_template:{TEMPLATE}", "--extra-inputs", "response_field:text_output",
             "--tokenizer", str(args.tokenizer), "--isl", str(args.isl), "--osl", str(args.osl),
@@ -98,12 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--http-url", default="http://localhost:8000")
     parser.add_argument("--grpc-url", default="localhost:8001")
-    parser.add_argument("--tokenizer", type=Path, default=ROOT / "models" / "smollm2-135m-instruct")
+    parser.add_argument("--tokenizer", type=Path, default=PROJECT_ROOT / "models" / "smollm2-135m-instruct")
     parser.add_argument("--isl", type=int, default=64)
     parser.add_argument("--osl", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--requests", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "aiperf")
+    parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "perf" / "results" / "aiperf")
     parser.add_argument("--dry-run", action="store_true", help="print the two commands, run nothing")
     args = parser.parse_args(argv)
     runs = {"genai-perf": (genai_perf_command, "profile_export_genai_perf.json"),

@@ -13,10 +13,8 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
+from a3b_backend.profiles import PROJECT_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 QUESTION = "What is the capital of France?"
 DECODE_TOKENS = 64
 PREFILL_TEXT = "The quick brown fox jumps over the lazy dog. " * 90  # ~900 tokens
@@ -31,7 +29,7 @@ def measure(mode: str) -> dict:
     from a3b_backend.profiles import get_profile
 
     profile = get_profile("cpu")
-    args = profile.engine_args(ROOT)
+    args = profile.engine_args(PROJECT_ROOT)
     compile_mode, args["dtype"] = mode.split("/")
     args["enforce_eager"] = compile_mode == "eager"
     tokenizer = AutoTokenizer.from_pretrained(args["model"])

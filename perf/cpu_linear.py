@@ -22,8 +22,8 @@ from tqdm import tqdm
 from a3b_backend.bench.perf_report import machine
 from a3b_backend.quant.format import A3BConfig, quantize
 from a3b_kernels import cpu
+from a3b_backend.profiles import PROJECT_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 # (name, out, in): SmolLM2-135M's MLP up and down projections; Qwen3.6's
 # expert gate/up (2 x 512 out of hidden 2048) and its attention output projection.
 SHAPES = (("SmolLM2 up", 1536, 576), ("SmolLM2 down", 576, 1536), ("Qwen3.6 expert gate_up", 1024, 2048),
@@ -63,7 +63,7 @@ def measure(repeats: int) -> list[tuple[str, str, int, float, float]]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "cpu_linear.md")
+    parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "perf" / "results" / "cpu_linear.md")
     args = parser.parse_args(argv)
     results = measure(args.repeats)
     lines = ["# A3B CPU linear: fused kernel vs dequantize + GEMM, by rows of x\n",

@@ -37,9 +37,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable
+from a3b_backend.profiles import PROJECT_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 L2_BYTES = 60 << 20
 
@@ -505,7 +504,7 @@ def write_report(out: Path, rows: list[Timing], copy_gbps: float, device: str, c
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "gpu")
+    parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "perf" / "results" / "gpu")
     parser.add_argument("--iters", type=int, default=GPU.iters)
     parser.add_argument("--no-cuda-ext", action="store_true", help="skip building and timing the CUDA C++ kernels")
     parser.add_argument("--smoke", action="store_true",

@@ -13,8 +13,8 @@ import torch
 
 from a3b_backend.bench.perf_report import machine
 from a3b_kernels.kv_cache import QWEN36, SMOLLM2, AttentionShape, a3b_roundtrip, bytes_per_token_layer
+from a3b_backend.profiles import PROJECT_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -83,9 +83,9 @@ def kv_quantized_perplexity(model_dir: Path, eval_tokens: int) -> dict[str, floa
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=ROOT / "models" / "smollm2-135m-instruct")
+    parser.add_argument("--model", type=Path, default=PROJECT_ROOT / "models" / "smollm2-135m-instruct")
     parser.add_argument("--eval-tokens", type=int, default=4096)
-    parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "a3b_kv.md")
+    parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "perf" / "results" / "a3b_kv.md")
     args = parser.parse_args(argv)
     lines = ["# A3B KV cache (reference path)\n", f"Machine: {machine()}. Command: `make kv-report`.\n",
              "| model | KV dtype | bytes/token/layer | vs fp16 | KV cache at 128K context, all attention layers |",

@@ -32,13 +32,10 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from a3b_backend import contract  # noqa: E402
-from a3b_backend.bench import loadgen, perf_inputs, perf_report, server_process  # noqa: E402
-from a3b_backend.bench.perf_report import RequestRecord  # noqa: E402
-from a3b_backend.profiles import get_profile  # noqa: E402
+from a3b_backend import contract
+from a3b_backend.bench import loadgen, perf_inputs, perf_report, server_process
+from a3b_backend.bench.perf_report import RequestRecord
+from a3b_backend.profiles import PROJECT_ROOT, get_profile
 
 OUTPUT_TOKENS = 32
 PROMPT_TOKENS = 128
@@ -228,14 +225,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", nargs="+", choices=[v.letter for v in (*VARIANTS, SECOND_ENGINE)],
                         default=[v.letter for v in VARIANTS],
                         help="which variants run (a, the baseline, always does); fewer make a round shorter")
-    parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "overhead")
+    parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "perf" / "results" / "overhead")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     variants = [v for v in (*VARIANTS, SECOND_ENGINE) if v is BARE or v.letter in args.variants]
     command = "make bench-overhead" if not argv else " ".join(["python perf/overhead.py", *argv])
     profile = get_profile()
     os.environ.update(profile.engine_env())  # the served engine's settings (a3b_llm sets the same)
-    tokenizer = perf_inputs.tokenizer_for(profile, ROOT)
+    tokenizer = perf_inputs.tokenizer_for(profile, PROJECT_ROOT)
     corpus = perf_inputs.Corpus(tokenizer)
     schedule = [(WARMUP_CONCURRENCY, False)] * args.warmup_rounds
     schedule += [(c, True) for c in args.concurrency for _ in range(args.rounds)]
@@ -251,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
             engines = []
             for _ in range(1 + max(v.engine for v in variants)):
                 print(f"starting AsyncLLM {len(engines) + 1} in this process ...", flush=True)
-                engines.append(AsyncLLM.from_engine_args(AsyncEngineArgs(**profile.engine_args(ROOT))))
+                engines.append(AsyncLLM.from_engine_args(AsyncEngineArgs(**profile.engine_args(PROJECT_ROOT))))
             engine_cores = [engine_core_process(engine) for engine in engines]
 
             def engine_wait_s(variant: Variant) -> dict[str, float]:
@@ -349,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
         "Waiting for a CPU: the time the variant's vLLM processes were ready to run but not running (the "
         "kernel's schedstat of their threads that carry the process's name), over the rounds' wall time. "
         f"a3b_llm paces each stream's responses at {profile.stream_responses_per_s:g} responses/s "
-        "over all streams (a3b_backend/pacing.py).\n"
+        "over all streams (a3b_backend/serving/pacing.py).\n"
         f"Goals, at concurrency {' and '.join(map(str, GOAL_CONCURRENCY))}: the interval of {ENSEMBLE.name} ends "
         + " and ".join(f"at most {g.high_percent:+g}% {g.label}" for g in GOALS) + ".\n\n"
         f"{table}\n" + "".join(f"- {line}\n" for line in verdicts) + "\n![overhead](overhead.png)\n")

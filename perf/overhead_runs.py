@@ -20,13 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import (BARE, ENSEMBLE, GOAL_CONCURRENCY, GOALS, Goal, bootstrap_mean,  # noqa: E402
+from overhead import (BARE, ENSEMBLE, GOAL_CONCURRENCY, GOALS, Goal, bootstrap_mean,
                       goal_verdicts, interval_text, percent_changes)
+from a3b_backend.profiles import PROJECT_ROOT
 
-RESULTS = ROOT / "perf" / "results" / "overhead"
+RESULTS = PROJECT_ROOT / "perf" / "results" / "overhead"
 
 
 def round_changes(rows: list[dict], per_round: str, concurrency: int) -> np.ndarray:

@@ -19,15 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from a3b_backend.bench import loadgen, perf_analyzer, perf_report  # noqa: E402
-from a3b_backend.profiles import get_profile  # noqa: E402
+from a3b_backend.bench import loadgen, perf_analyzer, perf_report
+from a3b_backend.profiles import PROJECT_ROOT, get_profile
 
 PROMPT = "Write one sentence about the sea."
 
@@ -39,7 +35,7 @@ def request_values(output_tokens: int) -> dict:
 
 def perf_analyzer_level(url: str, model: str, concurrency: int, output_tokens: int, requests: int,
                         workdir: Path) -> perf_report.LoadLevel | None:
-    if not (ROOT / ".venv-perf" / "bin" / "perf_analyzer").exists():
+    if not (PROJECT_ROOT / ".venv-perf" / "bin" / "perf_analyzer").exists():
         print("perf_analyzer not installed (make perf-tools): skipping its run")
         return None
     data = workdir / "input.json"
@@ -101,12 +97,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="default: limit/4, 3/4 limit, limit, 1.5x and 2x limit")
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a request counts as hung")
-    parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "overload")
+    parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "perf" / "results" / "overload")
     args = parser.parse_args(argv)
     profile = get_profile(args.profile)
     limit = profile.max_in_flight
     levels = args.concurrency or [limit // 4, limit * 3 // 4, limit, limit * 3 // 2, limit * 2]
-    count = perf_report.token_counter(profile.resolve_model_dir(ROOT))
+    count = perf_report.token_counter(profile.resolve_model_dir(PROJECT_ROOT))
     runs: list[perf_report.LoadLevel] = []
     with tempfile.TemporaryDirectory() as tmp:
         for c in (c for c in levels if c < limit):

@@ -15,15 +15,11 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from a3b_backend.bench import perf_inputs, perf_report  # noqa: E402
-from a3b_backend.profiles import get_profile  # noqa: E402
+from a3b_backend.bench import perf_inputs, perf_report
+from a3b_backend.profiles import PROJECT_ROOT, get_profile
 
 
 async def ttfts(engine, prompts: list[list[int]]) -> list[float]:
@@ -44,7 +40,7 @@ def measure(profile, prompts: list[list[int]], caching: bool) -> list[float]:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    args = dict(profile.engine_args(ROOT), enable_prefix_caching=caching)
+    args = dict(profile.engine_args(PROJECT_ROOT), enable_prefix_caching=caching)
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
     try:
         return asyncio.run(ttfts(engine, prompts))
@@ -55,11 +51,11 @@ def measure(profile, prompts: list[list[int]], caching: bool) -> list[float]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "prefix_cache")
+    parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "perf" / "results" / "prefix_cache")
     args = parser.parse_args(argv)
     profile = get_profile()
     os.environ.update(profile.engine_env())  # the served engine's settings (a3b_llm sets the same)
-    tokenizer = perf_inputs.tokenizer_for(profile, ROOT)
+    tokenizer = perf_inputs.tokenizer_for(profile, PROJECT_ROOT)
     corpus = perf_inputs.Corpus(tokenizer)
     data = perf_inputs.rag_data(corpus, profile, profile.perf.rag_document_tokens, 1, "vllm", args.requests)
     prompts = [tokenizer.encode(entry["text_input"][0]) for entry in data["data"]]

@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "perf"))
 
 
 def main(argv: list[str] | None = None) -> int:

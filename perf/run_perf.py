@@ -14,15 +14,11 @@ import argparse
 import dataclasses
 import json
 import shlex
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from a3b_backend.bench import perf_analyzer, perf_inputs, perf_report  # noqa: E402
-from a3b_backend.profiles import Profile, get_profile  # noqa: E402
+from a3b_backend.bench import perf_analyzer, perf_inputs, perf_report
+from a3b_backend.profiles import PROJECT_ROOT, Profile, get_profile
 
 
 @dataclasses.dataclass
@@ -85,8 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dry-run", action="store_true", help="write the inputs, print the commands, run nothing")
     args = parser.parse_args(argv)
     profile = get_profile(args.profile)
-    out = args.out or ROOT / "perf" / "results" / profile.name
-    inputs = ROOT / "perf" / "inputs" / profile.name
+    out = args.out or PROJECT_ROOT / "perf" / "results" / profile.name
+    inputs = PROJECT_ROOT / "perf" / "inputs" / profile.name
     exports = out / "exports"
     exports.mkdir(parents=True, exist_ok=True)
     perf_inputs.main(["--profile", profile.name, "--out", str(inputs)])
@@ -104,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
             perf_analyzer.run(cmd, exports / f"{stem}.json", exports / f"{stem}.log")
         except RuntimeError as err:
             raise SystemExit(f"{stem}: {err}") from None
-    count = perf_report.token_counter(profile.resolve_model_dir(ROOT))
+    count = perf_report.token_counter(profile.resolve_model_dir(PROJECT_ROOT))
     levels = perf_report.load_levels(sorted(exports / f"{run.stem}.json" for run in plan))
     summaries = [perf_report.summarize(level, count) for level in levels]
     preamble = (f"Machine: {perf_report.machine()}. "

@@ -14,21 +14,17 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from a3b_backend import contract  # noqa: E402
-from a3b_backend.bench import loadgen, perf_inputs, perf_report, server_process  # noqa: E402
-from a3b_backend.bench.server_process import ENGINE_PROCESS  # noqa: E402
-from a3b_backend.profiles import get_profile  # noqa: E402
-from overhead import OUTPUT_TOKENS, PROMPT_TOKENS, Variant, served_requests  # noqa: E402
+from a3b_backend import contract
+from a3b_backend.bench import loadgen, perf_inputs, perf_report, server_process
+from a3b_backend.bench.server_process import ENGINE_PROCESS
+from a3b_backend.profiles import PROJECT_ROOT, get_profile
+from overhead import OUTPUT_TOKENS, PROMPT_TOKENS, Variant, served_requests
 
 RUNS = (Variant(contract.LLM_MODEL, contract.LLM_MODEL), Variant(contract.ENSEMBLE_MODEL, contract.ENSEMBLE_MODEL),
         *(Variant(f"{contract.ENSEMBLE_MODEL}, stream_interval {n}", contract.ENSEMBLE_MODEL, n) for n in (4, 32)))
@@ -62,10 +58,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds per model, after one that is not")
-    parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "serving_cpu")
+    parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "perf" / "results" / "serving_cpu")
     args = parser.parse_args(argv)
     profile = get_profile()
-    tokenizer = perf_inputs.tokenizer_for(profile, ROOT)
+    tokenizer = perf_inputs.tokenizer_for(profile, PROJECT_ROOT)
     corpus = perf_inputs.Corpus(tokenizer)
     prompts = [tokenizer.encode(corpus.text_of_length(PROMPT_TOKENS, start=i * 997))
                for i in range(args.concurrency)]

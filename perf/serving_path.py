@@ -17,7 +17,6 @@ import argparse
 import json
 import resource
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -26,15 +25,14 @@ from typing import get_args
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from a3b_backend import contract
 
-from a3b_backend import contract, repository  # noqa: E402
-from a3b_backend.bench import perf_analyzer, perf_report, server_process  # noqa: E402
-from a3b_backend.bench.token_source import SENDING_DESCRIPTIONS, SENDING_ENV, Sending  # noqa: E402
-from a3b_backend.profiles import get_profile  # noqa: E402
+from a3b_backend.deploy import repository
+from a3b_backend.bench import perf_analyzer, perf_report, server_process
+from a3b_backend.bench.token_source import SENDING_DESCRIPTIONS, SENDING_ENV, Sending
+from a3b_backend.profiles import PROJECT_ROOT, get_profile
 
-TOKEN_SOURCE = ROOT / "perf" / "token_source" / "model.py"
+TOKEN_SOURCE = PROJECT_ROOT / "perf" / "token_source" / "model.py"
 # real text the token source replays: the GNU GPL v3 as Debian and Ubuntu ship it
 SOURCE_TEXT = Path("/usr/share/common-licenses/GPL-3")
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -60,7 +58,7 @@ class Level:
 def build_repository(into: Path) -> Path:
     """The model repository as rendered, with the token source as a3b_llm."""
     repo = into / "model_repository"
-    shutil.copytree(ROOT / "model_repository", repo,
+    shutil.copytree(PROJECT_ROOT / "model_repository", repo,
                     ignore=shutil.ignore_patterns("model.json", "multi_lora.json", "__pycache__"))
     for model, text in repository.render().items():
         (repo / model / "config.pbtxt").write_text(text)
@@ -211,17 +209,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sending", choices=get_args(Sending), default="paced",
                         help="how the source sends a stream's tokens (perf/token_source/model.py); "
                              "a3b_llm sends paced")
-    parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "serving_path")
+    parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "perf" / "results" / "serving_path")
     args = parser.parse_args(argv)
-    if not (ROOT / ".venv-perf" / "bin" / "perf_analyzer").exists():
+    if not (PROJECT_ROOT / ".venv-perf" / "bin" / "perf_analyzer").exists():
         raise SystemExit("perf_analyzer is not installed: run make perf-tools")
     args.out.mkdir(parents=True, exist_ok=True)
     epoch_ns = time.time_ns()
-    source_text = replayed_text(get_profile().resolve_model_dir(ROOT))
+    source_text = replayed_text(get_profile().resolve_model_dir(PROJECT_ROOT))
     with tempfile.TemporaryDirectory(prefix="a3b-serving-path-") as tmp:
         work = Path(tmp)
         env = {"A3B_MODEL_REPOSITORY": str(build_repository(work)),
-               "A3B_MODEL_DIR": str(get_profile().resolve_model_dir(ROOT)),
+               "A3B_MODEL_DIR": str(get_profile().resolve_model_dir(PROJECT_ROOT)),
                "A3B_TOKEN_SOURCE_TEXT": str(SOURCE_TEXT), "A3B_TOKEN_SOURCE_EPOCH_NS": str(epoch_ns),
                "A3B_TOKEN_SOURCE_INTERVAL_MS": str(args.interval_ms),
                SENDING_ENV: args.sending}

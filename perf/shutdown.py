@@ -15,18 +15,15 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from a3b_backend.bench import loadgen, server_process  # noqa: E402
-from a3b_backend.bench.perf_report import machine  # noqa: E402
+from a3b_backend.bench import loadgen, server_process
+from a3b_backend.bench.perf_report import machine
+from a3b_backend.profiles import PROJECT_ROOT
 
 PROMPT = "Write a short story about a lighthouse keeper."
-LOG = ROOT / "perf" / "results" / "tmp" / "shutdown.server.log"
+LOG = PROJECT_ROOT / "perf" / "results" / "tmp" / "shutdown.server.log"
 
 
 def scenario(streams: int, tokens: int, close_streams: bool, log: Path) -> list[str]:
@@ -72,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=48)
-    parser.add_argument("--out", type=Path, default=ROOT / "perf" / "results" / "shutdown.md")
+    parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "perf" / "results" / "shutdown.md")
     args = parser.parse_args(argv)
     lines = ["# SIGTERM with ensemble streams in flight", "",
              f"Machine: {machine()}. Command: `make bench-shutdown` ({args.streams} streams x {args.tokens} tokens, "

@@ -27,7 +27,7 @@ STOP_TIMEOUT=10
 KILL_GRACE=5
 PY="${VENV:-$ROOT/.venv}/bin/python"
 [[ -x "$PY" ]] || PY=python3
-# a3b_llm refuses new requests while this file exists (a3b_backend/drain.py).
+# a3b_llm refuses new requests while this file exists (a3b_backend/serving/drain.py).
 export A3B_DRAIN_FILE="${A3B_DRAIN_FILE:-$(mktemp -u "${TMPDIR:-/tmp}/a3b-drain.XXXXXX")}"
 rm -f "$A3B_DRAIN_FILE"
 restricted=()
@@ -48,7 +48,7 @@ stop() {
   trap '' TERM
   touch "$A3B_DRAIN_FILE"
   [[ "$HOST" == 0.0.0.0 ]] && metrics_host=127.0.0.1 || metrics_host="$HOST"
-  PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m a3b_backend.drain \
+  PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m a3b_backend.serving.drain \
     --metrics-url "http://$metrics_host:$METRICS_PORT/metrics" --timeout "$EXIT_TIMEOUT" || true
   kill -TERM "$server" 2>/dev/null || true
   for _ in $(seq $((STOP_TIMEOUT + KILL_GRACE))); do

@@ -45,11 +45,11 @@ step "installing tritonclient, test tools (peft builds the LoRA test adapter) an
 
 # Qwen3.5/3.6 in vLLM imports torchvision.transforms; PyPI's torchvision is a
 # CUDA build that imports beside torch+cpu only once two operator schemas are
-# defined (a3b_backend/torchvision_bridge.py), in every process: a .pth hook.
+# defined (a3b_backend/engine/torchvision_bridge.py), in every process: a .pth hook.
 step "installing torchvision 0.28 (pure-torch transforms) and its import bridge"
 "${PIP[@]}" install -q --no-deps "torchvision==0.28.0"
 SITE="$("$VENV/bin/python" -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')"
-echo "import a3b_backend.torchvision_bridge as bridge; bridge.install()" > "$SITE/a3b_torchvision_bridge.pth"
+echo "import a3b_backend.engine.torchvision_bridge as bridge; bridge.install()" > "$SITE/a3b_torchvision_bridge.pth"
 "$VENV/bin/python" -c "import torchvision.transforms.v2, transformers"
 
 # GPU hosts run Triton 3.6 (vLLM's pin there), this venv 3.9: `make test` runs

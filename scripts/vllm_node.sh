@@ -18,4 +18,4 @@ bound=()
 if [[ -n "${A3B_NODE_TIMEOUT:-}" ]]; then
   bound=(timeout --kill-after=10 "$A3B_NODE_TIMEOUT")
 fi
-exec "${bound[@]}" "$PY" -m a3b_backend.node
+exec "${bound[@]}" "$PY" -m a3b_backend.engine.node

@@ -1,14 +1,13 @@
 """Shared fixtures. The served tests start ONE real tritonserver per session."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from a3b_backend.bench import server_process
+from a3b_backend.profiles import PROJECT_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
+MODEL_DIR = PROJECT_ROOT / "models" / "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="session")

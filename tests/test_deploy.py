@@ -12,18 +12,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from a3b_backend import deploy
-from a3b_backend.profiles import PROFILES
+from a3b_backend.deploy import kubernetes
+from a3b_backend.profiles import PROFILES, PROJECT_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
-DOCKERFILES = sorted((ROOT / "docker").glob("Dockerfile.*"))
+MANIFESTS = sorted((PROJECT_ROOT / "deploy" / "kubernetes").glob("*.yaml"))
+DOCKERFILES = sorted((PROJECT_ROOT / "docker").glob("Dockerfile.*"))
 K8S_VERSION = "1.31.0"
 
 
 def test_every_profile_is_consistent():
-    assert {p: deploy.check_profile(PROFILES[p]) for p in PROFILES} == {p: [] for p in PROFILES}
+    assert {p: kubernetes.check_profile(PROFILES[p]) for p in PROFILES} == {p: [] for p in PROFILES}
 
 
 @pytest.mark.parametrize("profile, change, problem", [
@@ -37,13 +36,13 @@ def test_every_profile_is_consistent():
     ("h200", dict(kv_cache_dtype="int3"), "kv_cache_dtype 'int3'"),
 ])
 def test_inconsistent_profiles_are_named(profile, change, problem):
-    problems = deploy.check_profile(dataclasses.replace(PROFILES[profile], **change))
+    problems = kubernetes.check_profile(dataclasses.replace(PROFILES[profile], **change))
     assert any(problem in p for p in problems), problems
 
 
 def test_committed_manifests_are_rendered_from_the_profiles():
-    assert deploy.main(["--check"]) == 0, "run `a3b-deploy` and commit deploy/kubernetes"
-    assert {m.name for m in MANIFESTS} == set(deploy.render())
+    assert kubernetes.main(["--check"]) == 0, "run `a3b-deploy` and commit deploy/kubernetes"
+    assert {m.name for m in MANIFESTS} == set(kubernetes.render())
 
 
 def test_manifests_validate_against_the_kubernetes_schema(tmp_path):
@@ -52,7 +51,7 @@ def test_manifests_validate_against_the_kubernetes_schema(tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     # and the validator does catch a broken one
-    broken = yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "h200.yaml").read_text())
+    broken = yaml.safe_load_all((PROJECT_ROOT / "deploy" / "kubernetes" / "h200.yaml").read_text())
     broken = list(broken)
     broken[0]["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "eight thousand"
     bad = tmp_path / "bad.yaml"
@@ -63,7 +62,7 @@ def test_manifests_validate_against_the_kubernetes_schema(tmp_path):
 @pytest.mark.parametrize("name", sorted(PROFILES))
 def test_manifest_serves_the_profile_safely(name):
     profile = PROFILES[name]
-    docs = list(yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / f"{name}.yaml").read_text()))
+    docs = list(yaml.safe_load_all((PROJECT_ROOT / "deploy" / "kubernetes" / f"{name}.yaml").read_text()))
     deployment = next(d for d in docs if d["kind"] == "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     triton = pod["containers"][0]
@@ -96,7 +95,7 @@ def test_manifest_serves_the_profile_safely(name):
 
 
 def test_tls_variant_encrypts_grpc_and_terminates_https_at_the_ingress():
-    docs = list(yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "h200-tls.yaml").read_text()))
+    docs = list(yaml.safe_load_all((PROJECT_ROOT / "deploy" / "kubernetes" / "h200-tls.yaml").read_text()))
     args = docs[0]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--grpc-use-ssl=true" in args and "--grpc-server-cert=/tls/tls.crt" in args
     ingress = next(d for d in docs if d["kind"] == "Ingress")
@@ -116,6 +115,6 @@ def test_dockerfile_lints_clean_and_runs_unprivileged(dockerfile):
 
 
 def test_compose_publishes_on_loopback_only():
-    compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
+    compose = yaml.safe_load((PROJECT_ROOT / "docker" / "compose.yaml").read_text())
     for name, service in compose["services"].items():
         assert service["ports"] and all(p.startswith("127.0.0.1:") for p in service["ports"]), name

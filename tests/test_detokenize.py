@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from a3b_backend.detokenize import DecodeRule, settled, text_delta
+from a3b_backend.serving.detokenize import DecodeRule, settled, text_delta
 
 TEXTS = [
     "The capital of France is Paris.",

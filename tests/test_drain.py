@@ -1,4 +1,4 @@
-"""The drain before shutdown (a3b_backend/drain.py): in-flight count from a
+"""The drain before shutdown (a3b_backend/serving/drain.py): in-flight count from a
 metrics scrape, the drain file, waiting until idle against a local HTTP server."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from a3b_backend import drain
+from a3b_backend.serving import drain
 
 SCRAPE = """# HELP a3b_num_requests_in_flight Requests admitted by a3b_llm and not yet finished
 # TYPE a3b_num_requests_in_flight gauge

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from a3b_backend.profiles import MODEL_DIR_ENV, NODE_RANK_ENV, PROFILES
+from a3b_backend.profiles import MODEL_DIR_ENV, NODE_RANK_ENV, PROFILES, PROJECT_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-QWEN_TINY = ROOT / "models" / "qwen3.6-tiny-a3b"
-# Qwen3.6-35B-A3B's text config where qwen-tiny scales it down (a3b_backend/qwen_tiny.py)
+QWEN_TINY = PROJECT_ROOT / "models" / "qwen3.6-tiny-a3b"
+# Qwen3.6-35B-A3B's text config where qwen-tiny scales it down (a3b_backend/prepare/qwen_tiny.py)
 FULL_SIZE = dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
                  linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256, moe_intermediate_size=512,
                  shared_expert_intermediate_size=512, vocab_size=248320)
@@ -45,7 +44,7 @@ def test_gpu_profile_builds_vllms_engine_config(name, full_size_config, monkeypa
 
     profile = PROFILES[name]
     monkeypatch.setenv(MODEL_DIR_ENV, str(full_size_config))
-    args = AsyncEngineArgs(**profile.engine_args(ROOT))
+    args = AsyncEngineArgs(**profile.engine_args(PROJECT_ROOT))
     config = args.create_engine_config()
     parallel = config.parallel_config
     assert (parallel.tensor_parallel_size, parallel.pipeline_parallel_size) == (
@@ -60,10 +59,10 @@ def test_gpu_profile_builds_vllms_engine_config(name, full_size_config, monkeypa
 def test_secondary_node_gets_its_rank_and_the_rendezvous(monkeypatch):
     monkeypatch.setenv(NODE_RANK_ENV, "1")
     monkeypatch.setenv("A3B_MASTER_ADDR", "10.0.0.7")
-    args = PROFILES["multinode"].engine_args(ROOT)
+    args = PROFILES["multinode"].engine_args(PROJECT_ROOT)
     assert (args["nnodes"], args["node_rank"], args["master_addr"], args["master_port"]) == (2, 1, "10.0.0.7", 29501)
     assert args["distributed_executor_backend"] == "mp"
-    assert "nnodes" not in PROFILES["h200"].engine_args(ROOT)
+    assert "nnodes" not in PROFILES["h200"].engine_args(PROJECT_ROOT)
     # a lost node fails the step after this long, not after vLLM's 300 s
     assert PROFILES["cpu-2node"].engine_env()["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "30"
 

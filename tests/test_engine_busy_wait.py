@@ -1,6 +1,6 @@
 """EngineCore sleeps instead of spinning while its worker computes, where the
 engine computes on the CPUs the serving processes also need
-(profiles.Profile.engine_busy_wait_s, engine_wait.bound_busy_wait)."""
+(profiles.Profile.engine_busy_wait_s, busy_wait.bound_busy_wait)."""
 from __future__ import annotations
 
 import subprocess
@@ -10,7 +10,9 @@ from pathlib import Path
 
 import psutil
 
-from a3b_backend import contract, engine_wait
+from a3b_backend import contract
+
+from a3b_backend.engine import busy_wait
 from a3b_backend.bench import server_process
 from a3b_backend.profiles import ENGINE_BUSY_WAIT_ENV, PROFILES
 from served import stream_infer, text_request
@@ -40,8 +42,8 @@ def test_a_sleeping_reader_looks_again_without_a_notification(tmp_path):
     script = f"""
 import os, time, zmq
 os.environ[{ENGINE_BUSY_WAIT_ENV!r}] = "0"
-from a3b_backend import engine_wait
-engine_wait.bound_busy_wait()
+from a3b_backend.engine import busy_wait
+busy_wait.bound_busy_wait()
 from vllm.distributed.device_communicators import shm_broadcast
 reader = shm_broadcast.SpinCondition(True, zmq.Context(), "ipc://{tmp_path}/notify")
 assert reader.busy_loop_s == 0
@@ -49,7 +51,7 @@ started = time.monotonic()
 for _ in range(20):
     reader.wait(timeout_ms=None)
 print(time.monotonic() - started)
-reader.last_read -= 2 * engine_wait.ACTIVE_WINDOW_S  # an idle engine
+reader.last_read -= 2 * busy_wait.ACTIVE_WINDOW_S  # an idle engine
 started = time.monotonic()
 reader.wait(timeout_ms=None)
 print(time.monotonic() - started)
@@ -58,12 +60,12 @@ print(time.monotonic() - started)
     assert done.returncode == 0, done.stderr[-2000:]
     active_s, idle_s = map(float, done.stdout.split()[-2:])
     assert active_s < 1.0
-    assert idle_s >= 0.8 * engine_wait.IDLE_RECHECK_MS / 1000
+    assert idle_s >= 0.8 * busy_wait.IDLE_RECHECK_MS / 1000
 
 
 def test_an_idle_engine_looks_again_less_often():
-    assert engine_wait.recheck_ms(0.0) == engine_wait.ACTIVE_RECHECK_MS == 1
-    assert engine_wait.recheck_ms(engine_wait.ACTIVE_WINDOW_S) == engine_wait.IDLE_RECHECK_MS
+    assert busy_wait.recheck_ms(0.0) == busy_wait.ACTIVE_RECHECK_MS == 1
+    assert busy_wait.recheck_ms(busy_wait.ACTIVE_WINDOW_S) == busy_wait.IDLE_RECHECK_MS
 
 
 def test_served_idle_engine_worker_sleeps(server):
@@ -72,8 +74,8 @@ def test_served_idle_engine_worker_sleeps(server):
     [worker] = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
                 if server_process.process_name(p.cmdline()) == "VLLM::Worker"]
     schedstat = Path(f"/proc/{worker.pid}/task/{worker.pid}/schedstat")
-    time.sleep(2 * engine_wait.ACTIVE_WINDOW_S)
+    time.sleep(2 * busy_wait.ACTIVE_WINDOW_S)
     runs_before, started = int(schedstat.read_text().split()[2]), time.monotonic()
     time.sleep(3)
     per_s = (int(schedstat.read_text().split()[2]) - runs_before) / (time.monotonic() - started)
-    assert per_s < 1000 / engine_wait.IDLE_RECHECK_MS * 2, f"the idle worker ran {per_s:.0f} times a second"
+    assert per_s < 1000 / busy_wait.IDLE_RECHECK_MS * 2, f"the idle worker ran {per_s:.0f} times a second"

@@ -127,7 +127,7 @@ def test_triton_grouped_matmul_writes_every_routed_row():
 
 def test_vllm_a3b_gpu_path_runs_the_triton_kernels():
     """What the vLLM `a3b` method calls on CUDA, fed the layer's stored tensors."""
-    from a3b_backend import vllm_a3b
+    from a3b_backend.engine import a3b_method
     from a3b_backend.quant.format import KERNEL_KINDS
 
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
@@ -135,11 +135,11 @@ def test_vllm_a3b_gpu_path_runs_the_triton_kernels():
     loaded = A3BWeight.for_kernels({k: getattr(q, k) for k in KERNEL_KINDS}, 96, 256)
     weight_dtype = kernel_weight_dtype(a3b_matmul.launch_for(3).block_m)
     expected = reference.a3b_matmul(x, q, CONFIG, weight_dtype)
-    assert_matches(vllm_a3b.gpu_linear(x, loaded, CONFIG), expected, weight_dtype)
+    assert_matches(a3b_method.gpu_linear(x, loaded, CONFIG), expected, weight_dtype)
     w13_list, w13 = experts(4, 128, 256, g)
     w2_list, w2 = experts(4, 256, 64, g)
     ids = torch.tensor([[0, 3], [2, -1]])
     weights = torch.tensor([[0.7, 0.3], [0.6, 0.4]])
     x = torch.randn(2, 256, generator=g).to(torch.bfloat16)
-    torch.testing.assert_close(vllm_a3b.gpu_moe(x, w13, w2, weights, ids, CONFIG.block_cols),
+    torch.testing.assert_close(a3b_method.gpu_moe(x, w13, w2, weights, ids, CONFIG.block_cols),
                                reference.a3b_moe(x, w13_list, w2_list, weights, ids, CONFIG), rtol=1e-3, atol=1e-3)

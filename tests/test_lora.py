@@ -1,4 +1,4 @@
-"""LoRA configuration and adapter folding (a3b_backend/lora.py), without a server."""
+"""LoRA configuration (a3b_backend/serving/lora.py) and adapter folding (a3b_backend/serving/adapters.py), without a server."""
 from __future__ import annotations
 
 import json
@@ -8,12 +8,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from a3b_backend import lora
+from a3b_backend.serving import lora
+from a3b_backend.serving.adapters import Adapters, fold_scales
 from a3b_backend.profiles import get_profile
-from a3b_backend.quant.convert import INPUT_SCALES_FILE
-from a3b_backend.repository import main as render
-from a3b_backend.request import parse_sampling_json
-from a3b_backend.triton_io import RequestError
+from a3b_backend.quant.checkpoint import INPUT_SCALES_FILE
+from a3b_backend.deploy.repository import main as render
+from a3b_backend.serving.sampling import parse_sampling_json
+from a3b_backend.serving.tensors import RequestError
 
 MODULE = "model.layers.0.self_attn.q_proj"
 
@@ -71,7 +72,7 @@ def test_config_read_like_vllm_backend(tmp_path):
 def test_folded_adapter_reads_divided_inputs_and_gives_divided_outputs(tmp_path):
     src = adapter(tmp_path / "src")
     scale, divisor = torch.rand(6) + 0.5, torch.rand(5) + 0.5
-    assert lora.fold_scales(src, tmp_path / "dst", {MODULE: scale}, {MODULE: divisor}) == 2
+    assert fold_scales(src, tmp_path / "dst", {MODULE: scale}, {MODULE: divisor}) == 2
     before, after = load_file(src / lora.ADAPTER_WEIGHTS), load_file(tmp_path / "dst" / lora.ADAPTER_WEIGHTS)
     a, b = (f"base_model.model.{MODULE}.lora_{m}.weight" for m in "AB")
     x = torch.randn(3, 6)
@@ -84,13 +85,13 @@ def test_folded_adapter_reads_divided_inputs_and_gives_divided_outputs(tmp_path)
 def test_prepare_folds_only_for_checkpoints_with_input_scales(tmp_path):
     listed = {"a": adapter(tmp_path / "a")}
     plain = checkpoint(tmp_path / "plain", calibrated=False)
-    assert lora.Adapters.prepare(listed, plain, tmp_path / "work", 16).paths == listed
+    assert Adapters.prepare(listed, plain, tmp_path / "work", 16).paths == listed
     calibrated = checkpoint(tmp_path / "calibrated", calibrated=True)
     with pytest.raises(lora.AdapterError, match="was calibrated but has no a3b/input_scales.safetensors"):
-        lora.Adapters.prepare(listed, calibrated, tmp_path / "work", 16)
+        Adapters.prepare(listed, calibrated, tmp_path / "work", 16)
     (calibrated / INPUT_SCALES_FILE).parent.mkdir(parents=True)
     save_file({MODULE: torch.full((6,), 2.0)}, calibrated / INPUT_SCALES_FILE)
-    served = lora.Adapters.prepare(listed, calibrated, tmp_path / "work", 16).paths["a"]
+    served = Adapters.prepare(listed, calibrated, tmp_path / "work", 16).paths["a"]
     assert served == tmp_path / "work" / "a"
     key = f"base_model.model.{MODULE}.lora_A.weight"
     assert torch.equal(load_file(served / lora.ADAPTER_WEIGHTS)[key],
@@ -100,24 +101,24 @@ def test_prepare_folds_only_for_checkpoints_with_input_scales(tmp_path):
 def test_prepare_refuses_what_the_profile_cannot_serve(tmp_path):
     model = checkpoint(tmp_path / "model", calibrated=False)
     with pytest.raises(lora.AdapterError, match="'big' has rank 32; the profile allows at most 16"):
-        lora.Adapters.prepare({"big": adapter(tmp_path / "big", rank=32)}, model, tmp_path / "w", 16)
+        Adapters.prepare({"big": adapter(tmp_path / "big", rank=32)}, model, tmp_path / "w", 16)
     with pytest.raises(lora.AdapterError, match="'patterned' has rank 64"):
-        lora.Adapters.prepare({"patterned": adapter(tmp_path / "p", rank=8, rank_pattern={"q_proj": 64})},
+        Adapters.prepare({"patterned": adapter(tmp_path / "p", rank=8, rank_pattern={"q_proj": 64})},
                               model, tmp_path / "w", 16)
     (tmp_path / "empty").mkdir()
     with pytest.raises(lora.AdapterError, match="'empty': .* is not a PEFT adapter directory"):
-        lora.Adapters.prepare({"empty": tmp_path / "empty"}, model, tmp_path / "w", 16)
+        Adapters.prepare({"empty": tmp_path / "empty"}, model, tmp_path / "w", 16)
 
 
 def test_lora_name_picks_an_adapter_or_is_refused_with_the_known_ones(tmp_path):
-    adapters = lora.Adapters({"sql": tmp_path / "sql", "chat": tmp_path / "chat"})
+    adapters = Adapters({"sql": tmp_path / "sql", "chat": tmp_path / "chat"})
     assert adapters.request(None) is None
     chosen = adapters.request("chat")
     assert (chosen.lora_name, chosen.lora_int_id, chosen.lora_path) == ("chat", 2, str(tmp_path / "chat"))
     with pytest.raises(RequestError, match=r"'lora_name' = 'x' is not a served adapter; known: chat, sql"):
         adapters.request("x")
     with pytest.raises(RequestError, match="no LoRA adapters are served"):
-        lora.Adapters({}).request("sql")
+        Adapters({}).request("sql")
 
 
 def test_lora_name_parameter_is_a_non_empty_string():

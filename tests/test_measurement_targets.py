@@ -6,23 +6,22 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from a3b_backend.profiles import PROJECT_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 # every perf script but locust's file and the token source (a Triton model)
-PERF_SCRIPTS = sorted(str(p.relative_to(ROOT / "perf")) for p in (ROOT / "perf").rglob("*.py")
+PERF_SCRIPTS = sorted(str(p.relative_to(PROJECT_ROOT / "perf")) for p in (PROJECT_ROOT / "perf").rglob("*.py")
                       if p.name not in ("locustfile.py", "model.py"))
 
 
 def phony_targets() -> list[str]:
-    match = re.search(r"^\.PHONY:(.*)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    match = re.search(r"^\.PHONY:(.*)$", (PROJECT_ROOT / "Makefile").read_text(), re.MULTILINE)
     return match.group(1).split()
 
 
 def run(*cmd: str) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("target", phony_targets())
@@ -35,7 +34,7 @@ def test_every_documented_target_is_phony():
     """README and perf/README name targets that exist."""
     documented = set()
     for doc in ("README.md", "perf/README.md"):
-        documented |= set(re.findall(r"`make ([a-z][a-z0-9-]*)", (ROOT / doc).read_text()))
+        documented |= set(re.findall(r"`make ([a-z][a-z0-9-]*)", (PROJECT_ROOT / doc).read_text()))
     assert documented <= set(phony_targets()), documented - set(phony_targets())
 
 

@@ -1,4 +1,4 @@
-"""Response pacing (a3b_backend/pacing.py): the gap's arithmetic, the waits of
+"""Response pacing (a3b_backend/serving/pacing.py): the gap's arithmetic, the waits of
 `paced` on a hand-made stream, and on vLLM's own AsyncLLM that the outputs
 produced during a wait arrive merged, with the same tokens."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from a3b_backend.pacing import ResponsePacing, paced
+from a3b_backend.serving.pacing import ResponsePacing, paced
 from test_vllm_a3b import llama, probe  # noqa: F401 (llama: a fixture)
 
 

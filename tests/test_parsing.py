@@ -1,21 +1,19 @@
-"""Reasoning / tool-call separation (a3b_backend/parsing.py) with vLLM's Qwen3.6
+"""Reasoning / tool-call separation (a3b_backend/serving/parsing.py) with vLLM's Qwen3.6
 parsers on qwen-tiny's tokenizer and template: streamed one token at a time,
 in uneven chunks and all at once, against vLLM's parse of the whole text."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from a3b_backend.parsing import ChatParser, parser_class
-from a3b_backend.preprocess import prepare
-from a3b_backend.profiles import get_profile
-from a3b_backend.request import Limits
-from a3b_backend.triton_io import RequestError
+from a3b_backend.serving.parsing import ChatParser, parser_class
+from a3b_backend.serving.preprocess import prepare
+from a3b_backend.profiles import PROJECT_ROOT, get_profile
+from a3b_backend.serving.sampling import Limits
+from a3b_backend.serving.tensors import RequestError
 
-ROOT = Path(__file__).resolve().parent.parent
 QWEN = get_profile("qwen-tiny")
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Current weather",
                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -33,7 +31,7 @@ ANSWERS = {
 def qwen_tokenizer():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(QWEN.resolve_model_dir(ROOT))
+    return AutoTokenizer.from_pretrained(QWEN.resolve_model_dir(PROJECT_ROOT))
 
 
 def run(tokenizer, ids: list[int], prompt: list[int], chunk: int) -> tuple[str, str, list]:

@@ -14,9 +14,8 @@ import pytest
 from a3b_backend import contract
 from a3b_backend.bench import perf_analyzer, perf_inputs, perf_report
 from a3b_backend.bench.perf_inputs import Corpus, InputError
-from a3b_backend.profiles import PROFILES
+from a3b_backend.profiles import PROFILES, PROJECT_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 PY_TYPES = {"STRING": str, "BOOL": bool, "INT32": int, "UINT64": int, "FP32": float}
 ENSEMBLE_INPUTS = {t.name: t for t in contract.TEXT_INPUTS}
@@ -171,7 +170,7 @@ def test_perf_plans_stream_with_count_windows_and_never_repeat_a_prompt(tmp_path
 
 def test_gpu_kernel_benchmark_reports_tables_goals_and_a_plot(tmp_path):
     """perf/gpu_kernels.py's report on synthetic timings (the timing itself needs a GPU)."""
-    sys.path.insert(0, str(ROOT / "perf"))
+    sys.path.insert(0, str(PROJECT_ROOT / "perf"))
     import gpu_kernels as bench
 
     rows = [bench.Timing("linear", "8192x8192 M=1", "bf16 cuBLAS", 30.0, 8192 * 8192 * 2),
@@ -192,7 +191,7 @@ def test_gpu_kernel_benchmark_reports_tables_goals_and_a_plot(tmp_path):
 
 
 def test_gpu_kernel_benchmark_says_why_it_cannot_run_without_a_gpu(capsys):
-    sys.path.insert(0, str(ROOT / "perf"))
+    sys.path.insert(0, str(PROJECT_ROOT / "perf"))
     import gpu_kernels as bench
 
     assert bench.main([]) == 2
@@ -212,7 +211,7 @@ def test_server_cpu_is_counted_by_process_name():
 
 
 def test_gpu_profile_script_says_why_it_cannot_run_without_a_gpu(capsys):
-    sys.path.insert(0, str(ROOT / "perf"))
+    sys.path.insert(0, str(PROJECT_ROOT / "perf"))
     import profile_gpu_kernels
 
     assert profile_gpu_kernels.main([]) == 2
@@ -222,7 +221,7 @@ def test_gpu_profile_script_says_why_it_cannot_run_without_a_gpu(capsys):
 def test_gpu_kernel_benchmark_smoke_run_passes_every_code_path(tmp_path):
     """The whole script on the CPU at tiny sizes (Triton's interpreter), so the
     first GPU session does not spend its minutes on a broken script."""
-    done = subprocess.run([sys.executable, str(ROOT / "perf" / "gpu_kernels.py"), "--smoke", "--out", str(tmp_path)],
+    done = subprocess.run([sys.executable, str(PROJECT_ROOT / "perf" / "gpu_kernels.py"), "--smoke", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     md = (tmp_path / "gpu_kernels.md").read_text()
@@ -236,7 +235,7 @@ def test_aiperf_template_renders_the_generate_stream_body():
     must stay valid JSON for any prompt and carry the sampling parameters as a JSON string."""
     import jinja2
 
-    template = (ROOT / "perf" / "inputs" / "aiperf_generate_stream.jinja").read_text()
+    template = (PROJECT_ROOT / "perf" / "inputs" / "aiperf_generate_stream.jinja").read_text()
     prompt = 'She said "<b>hi</b>" & left\n北京 🎉'
     body = json.loads(jinja2.Environment(autoescape=True).from_string(template).render(text=prompt, max_tokens=24))
     assert body["text_input"] == prompt and body["stream"] is True and body["exclude_input_in_output"] is True
@@ -244,7 +243,7 @@ def test_aiperf_template_renders_the_generate_stream_body():
 
 
 def test_aiperf_report_sets_the_tools_side_by_side(tmp_path):
-    sys.path.insert(0, str(ROOT / "perf"))
+    sys.path.insert(0, str(PROJECT_ROOT / "perf"))
     import aiperf as bench
 
     summary = {key: {"unit": "ms", "avg": 100.0 * i, "p50": 90.0 * i, "p99": 150.0 * i}
@@ -271,7 +270,7 @@ def test_perf_analyzer_runs_again_when_its_export_is_cut_short(tmp_path, monkeyp
 
 
 def test_serving_cpu_splits_the_ensembles_cost_into_per_response_and_per_token(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "perf"))
+    monkeypatch.syspath_prepend(str(PROJECT_ROOT / "perf"))
     import serving_cpu
 
     def run(responses_per_request: int) -> serving_cpu.Measured:
@@ -289,7 +288,7 @@ def test_serving_cpu_splits_the_ensembles_cost_into_per_response_and_per_token(m
 
 def test_overhead_report_says_which_goals_a_run_met():
     """perf/overhead.py's verdicts on synthetic intervals: only the ensemble's rows at the goals' concurrencies."""
-    sys.path.insert(0, str(ROOT / "perf"))
+    sys.path.insert(0, str(PROJECT_ROOT / "perf"))
     import overhead
 
     def row(variant, concurrency, itl_high, ttft_high):
@@ -327,7 +326,7 @@ def test_engine_run_queue_wait_is_read_by_vllm_process_title():
 def test_overhead_over_runs_holds_the_spread_between_runs(tmp_path):
     """perf/overhead_runs.py: each run's interval as its own report gives it, and a pooled interval
     that spans runs whose means differ, however narrow each run's own interval is."""
-    sys.path.insert(0, str(ROOT / "perf"))
+    sys.path.insert(0, str(PROJECT_ROOT / "perf"))
     import overhead
     import overhead_runs
 

@@ -4,9 +4,9 @@ import math
 
 import numpy as np
 
-from a3b_backend.generation import Step, request_arrays, step_arrays
-from a3b_backend.postprocess import step_outputs
-from a3b_backend.triton_io import CancellationForwarder, PollSchedule
+from a3b_backend.serving.llm import Step, request_arrays, step_arrays
+from a3b_backend.serving.postprocess import step_outputs
+from a3b_backend.serving.triton import CancellationForwarder, PollSchedule
 
 
 def step(tokenizer, context, new, finish="", stop_reason="", echo="", stop=()):

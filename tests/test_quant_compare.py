@@ -1,11 +1,11 @@
 """`make compare-quant`'s size accounting on the committed default checkpoints and its checkpoint cache (no engine)."""
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "perf" / "quant_compare"))
+from a3b_backend.profiles import PROJECT_ROOT
+
+sys.path.insert(0, str(PROJECT_ROOT / "perf" / "quant_compare"))
 
 import compare  # noqa: E402
 
@@ -14,7 +14,7 @@ def test_bits_per_weight_count_every_stored_tensor_of_the_quantized_layers():
     bits, weights = compare.linear_bits(compare.BF16_DIR)
     # SmolLM2-135M: 30 layers of q/o (576x576), k/v (192x576), gate/up/down (1536x576)
     assert bits == 16.0 and weights == 30 * (2 * 576 * 576 + 2 * 192 * 576 + 3 * 1536 * 576)
-    a3b_bits, _ = compare.linear_bits(ROOT / "models" / "smollm2-135m-instruct-a3b")
+    a3b_bits, _ = compare.linear_bits(PROJECT_ROOT / "models" / "smollm2-135m-instruct-a3b")
     # the served default, 1x128 blocks, with every metadata tensor
     assert a3b_bits == pytest.approx(4.25, abs=0.01)
 

@@ -7,8 +7,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from a3b_backend.quant.convert import (INPUT_SCALES_FILE, ROW_DIVISORS_FILE, ConversionError, convert,
-                                      fold_norm_scale)
+from a3b_backend.quant.checkpoint import INPUT_SCALES_FILE, ROW_DIVISORS_FILE
+
+from a3b_backend.quant.convert import ConversionError, convert, fold_norm_scale
 from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
 
 CONFIG = A3BConfig(1, 32, iterations=2)  # the converter tests' quantizer
@@ -286,7 +287,7 @@ def test_broad_calibration_text_mixes_licences_and_package_readmes(tmp_path, mon
 
     from a3b_backend.quant import calibrate
 
-    monkeypatch.setattr(calibrate, "LICENCES", tmp_path)
+    monkeypatch.setattr(calibrate, "LICENCE_TEXTS", tmp_path)
     (tmp_path / "Long-1.0").write_text("Licence opening. " + "x" * calibrate.DOCUMENT_CHARS + " LICENCE TAIL")
     (tmp_path / "Alias").symlink_to(tmp_path / "Long-1.0")
     text = calibrate.broad_calibration_text()

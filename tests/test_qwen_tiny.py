@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from a3b_backend.profiles import get_profile
+from a3b_backend.profiles import PROJECT_ROOT, get_profile
 from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
 from test_quant_convert import tensors
 
-ROOT = Path(__file__).resolve().parent.parent
-SOURCE = ROOT / "models" / "qwen3.6-tiny"
-QUANTIZED = get_profile("qwen-tiny").resolve_model_dir(ROOT)
+SOURCE = PROJECT_ROOT / "models" / "qwen3.6-tiny"
+QUANTIZED = get_profile("qwen-tiny").resolve_model_dir(PROJECT_ROOT)
 PROBE = Path(__file__).with_name("vllm_probe.py")
 PROMPTS = [
     "The capital of France is Paris, and the capital of Italy is",

@@ -1,7 +1,9 @@
 """The committed configs are the renderer's output, and profiles are consistent."""
 import pytest
 
-from a3b_backend import contract, repository
+from a3b_backend import contract
+
+from a3b_backend.deploy import repository
 from a3b_backend.profiles import PROFILES, get_profile
 
 

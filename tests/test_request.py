@@ -4,8 +4,10 @@ import json
 import numpy as np
 import pytest
 
-from a3b_backend.request import Limits, finalize_sampling, parse_request
-from a3b_backend.triton_io import RequestError
+from a3b_backend.serving.sampling import Limits, finalize_sampling
+
+from a3b_backend.serving.request import parse_request
+from a3b_backend.serving.tensors import RequestError
 
 LIMITS = Limits(max_model_len=100, default_max_tokens=20)
 

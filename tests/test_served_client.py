@@ -4,10 +4,10 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from a3b_backend.profiles import PROJECT_ROOT
 
 pytestmark = pytest.mark.served
-CLIENT = [sys.executable, str(ROOT / "client" / "a3b_chat.py")]
+CLIENT = [sys.executable, str(PROJECT_ROOT / "client" / "a3b_chat.py")]
 
 
 def run(*args):

@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 
 from a3b_backend.bench import server_process
-from a3b_backend.profiles import MASTER_PORT_ENV, NODE_RANK_ENV, PROFILE_ENV, get_profile
+from a3b_backend.profiles import MASTER_PORT_ENV, NODE_RANK_ENV, PROFILE_ENV, PROJECT_ROOT, get_profile
 from served import metric, ready_script, scrape, stream_infer, text_request, texts
 
 pytestmark = [pytest.mark.served, pytest.mark.distributed]
-ROOT = Path(__file__).resolve().parent.parent
 PROFILE = get_profile("cpu-2node")
 GREEDY = {"temperature": 0, "max_tokens": 24}
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
@@ -39,7 +38,7 @@ class Cluster:
                                   MASTER_PORT_ENV: str(self.master_port)},
                    A3B_NODE_TIMEOUT=str(NODE_TIMEOUT_S), VENV=str(Path(sys.executable).parent.parent))
         with open(self.tmp / f"node1-{self.node_starts}.log", "wb") as log:
-            self.node = subprocess.Popen(["bash", str(ROOT / "scripts" / "vllm_node.sh")], env=env, stdout=log,
+            self.node = subprocess.Popen(["bash", str(PROJECT_ROOT / "scripts" / "vllm_node.sh")], env=env, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
 
     def kill_node(self) -> None:

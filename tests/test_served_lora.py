@@ -11,17 +11,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from a3b_backend import repository
+from a3b_backend.deploy import repository
 from a3b_backend.bench import server_process
 from a3b_backend.quant import calibrate
-from a3b_backend.quant.convert import INPUT_SCALES_FILE, ROW_DIVISORS_FILE
+from a3b_backend.quant.checkpoint import INPUT_SCALES_FILE, ROW_DIVISORS_FILE
 from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
 from served import stream_infer, text_request, texts
+from a3b_backend.profiles import PROJECT_ROOT
 
 pytestmark = pytest.mark.served
-ROOT = Path(__file__).resolve().parent.parent
-SOURCE = ROOT / "models" / "smollm2-135m-instruct"
-SERVED = ROOT / "models" / "smollm2-135m-instruct-a3b"
+SOURCE = PROJECT_ROOT / "models" / "smollm2-135m-instruct"
+SERVED = PROJECT_ROOT / "models" / "smollm2-135m-instruct-a3b"
 ADAPTER = "tiny-rank8"
 GREEDY = {"temperature": 0, "max_tokens": 16}
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):"]
@@ -51,7 +51,7 @@ def adapter_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def lora_server(tmp_path_factory, adapter_dir):
     repo = tmp_path_factory.mktemp("lora-repo") / "model_repository"
-    shutil.copytree(ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(PROJECT_ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
     assert repository.main(["--repository", str(repo), "--lora", f"{ADAPTER}={adapter_dir}"]) == 0
     try:
         # the copy sits outside the project: the model directory is given absolute

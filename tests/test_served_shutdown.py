@@ -4,7 +4,7 @@ of the earlier tests.
 
 Triton 2.51 refuses every new request once it is stopping, and an `ensemble`
 stream needs a new `postprocessing` request per token, so scripts/serve.sh
-drains first (a3b_backend/drain.py): new requests are refused with "server
+drains first (a3b_backend/serving/drain.py): new requests are refused with "server
 shutting down", in-flight streams finish, then tritonserver is stopped with
 nothing in flight."""
 from __future__ import annotations

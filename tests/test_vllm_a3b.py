@@ -107,7 +107,7 @@ def test_malformed_checkpoint_fails_at_load_naming_the_tensor(llama, tmp_path, c
 
 
 def test_linear_kernels_names_ours_and_which_of_vllms_cpu_kernels_loaded():
-    from a3b_backend.vllm_a3b import linear_kernels
+    from a3b_backend.bench.engine_probes import linear_kernels
 
     def layer(**attributes) -> torch.nn.Module:
         module = torch.nn.Module()

@@ -6,7 +6,7 @@ tests call this with subprocess). Prints one JSON line prefixed with RESULT.
     python tests/vllm_probe.py check MODEL_DIR PROMPTS.json STEPS   # bf16: per prompt,
         prompt log-probs and STEPS greedy tokens with their log-probs, all prompts in one batch
     python tests/vllm_probe.py paced MODEL_DIR 1,2,3 [max_tokens]   # AsyncLLM streaming (DELTA),
-        as it comes and through a3b_backend.pacing.paced: each output's token ids
+        as it comes and through a3b_backend.serving.pacing.paced: each output's token ids
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def streamed(model_dir: str, prompt_ids: list[int], max_tokens: int) -> dict:
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from a3b_backend.pacing import ResponsePacing, paced
+    from a3b_backend.serving.pacing import ResponsePacing, paced
 
     # 20 responses/s for one stream: a 50 ms gap, several of this model's steps
     pacing = ResponsePacing(responses_per_s=20.0)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from a3b_backend.bench.perf_report import LoadLevel, RequestRecord
-from a3b_backend.triton_io import string_tensor
+from a3b_backend.serving.tensors import string_tensor
 
 BUSY_MARKER = "server busy"
 

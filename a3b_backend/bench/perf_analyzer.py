@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "perf_analyzer.sh"
+from a3b_backend.profiles import PROJECT_ROOT
+
+SCRIPT = PROJECT_ROOT / "scripts" / "perf_analyzer.sh"
 
 
 def command(args: list[str], export: Path) -> list[str]:

@@ -18,11 +18,10 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Protocol
 
-from a3b_backend.profiles import Profile, get_profile
-from a3b_backend.qwen_tiny import QWEN_PATTERN
+from a3b_backend.profiles import LICENCE_TEXTS, PROJECT_ROOT, Profile, get_profile
+from a3b_backend.prepare.qwen_vocab import QWEN_PATTERN, vocab_file
 
 FLAVOURS = ("vllm", "trtllm")
-LICENSES = Path("/usr/share/common-licenses")
 RAG_SYSTEM_PROMPT = (
     "You are a careful assistant. Answer the question using only the document below. "
     "If the document does not contain the answer, say so.\n\nDocument:\n"
@@ -33,10 +32,12 @@ RAG_QUESTIONS = (
     "Name two terms the document defines.",
     "What does the document say about exceptions?",
 )
-# Qwen's pre-tokenizer split (as in Qwen's own tokenization_qwen.py).
 
 
-class Tokenizer(Protocol):
+class TokenCodec(Protocol):
+    """How inputs are cut to exact token counts: the served model's tokenizer
+    (HFTokenizer) or, where its checkpoint is absent, Qwen's BPE (QwenTokenizer)."""
+
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
 
@@ -71,13 +72,10 @@ class QwenTokenizer:
 
     @classmethod
     def load(cls) -> "QwenTokenizer":
-        import importlib.resources
-
         import tiktoken
 
-        vocab = importlib.resources.files("dashscope") / "resources" / "qwen.tiktoken"
         ranks = {base64.b64decode(token): int(rank)
-                 for token, rank in (line.split() for line in vocab.read_text().splitlines() if line)}
+                 for token, rank in (line.split() for line in vocab_file().read_text().splitlines() if line)}
         return cls(tiktoken.Encoding("qwen", pat_str=QWEN_PATTERN, mergeable_ranks=ranks, special_tokens={}))
 
     def encode(self, text: str) -> list[int]:
@@ -87,7 +85,7 @@ class QwenTokenizer:
         return self.inner.decode(ids, errors="ignore")
 
 
-def tokenizer_for(profile: Profile, project_root: Path) -> Tokenizer:
+def tokenizer_for(profile: Profile, project_root: Path) -> TokenCodec:
     model_dir = profile.resolve_model_dir(project_root)
     if (model_dir / "tokenizer.json").exists() or (model_dir / "tokenizer_config.json").exists():
         return HFTokenizer.load(model_dir)
@@ -108,8 +106,8 @@ def corpus_text() -> str:
     import pydoc_data.topics
 
     parts = [text for _, text in sorted(pydoc_data.topics.topics.items())]
-    if LICENSES.is_dir():
-        parts += [p.read_text(errors="ignore") for p in sorted(LICENSES.iterdir()) if p.is_file()]
+    if LICENCE_TEXTS.is_dir():
+        parts += [p.read_text(errors="ignore") for p in sorted(LICENCE_TEXTS.iterdir()) if p.is_file()]
     return re.sub(r"\n{3,}", "\n\n", "\n\n".join(prose_lines(part) for part in parts))
 
 
@@ -117,7 +115,7 @@ class Corpus:
     """The corpus as one token ring: prompt i starts at its own offset, and a
     window longer than the corpus wraps around."""
 
-    def __init__(self, tokenizer: Tokenizer, text: str | None = None):
+    def __init__(self, tokenizer: TokenCodec, text: str | None = None):
         self.tokenizer = tokenizer
         self.ids = tokenizer.encode(text if text is not None else corpus_text())
 
@@ -219,11 +217,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.length:
         profile = dataclasses.replace(profile, perf=dataclasses.replace(profile.perf,
                                                                         prompt_lengths=tuple(args.length)))
-    root = Path(__file__).resolve().parents[2]
     try:
         for length in profile.perf.prompt_lengths:
             check_length(profile, length, profile.perf.output_tokens)
-        corpus = Corpus(tokenizer_for(profile, root))
+        corpus = Corpus(tokenizer_for(profile, PROJECT_ROOT))
         args.out.mkdir(parents=True, exist_ok=True)
         flavours = args.flavour or FLAVOURS
         total = len(flavours) * (len(profile.perf.prompt_lengths) + 1)

@@ -15,10 +15,11 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+from a3b_backend.profiles import PROJECT_ROOT
+
 if TYPE_CHECKING:
     import psutil
 
-ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 600
 
 
@@ -147,7 +148,7 @@ def start(log: Path, extra_env: dict[str, str] | None = None) -> Server:
     env = dict(os.environ, A3B_HTTP_PORT=str(ports[0]), A3B_GRPC_PORT=str(ports[1]),
                A3B_METRICS_PORT=str(ports[2]), VENV=str(Path(sys.executable).parent.parent), **(extra_env or {}))
     with open(log, "wb") as out:
-        proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "serve.sh")], env=env, stdout=out,
+        proc = subprocess.Popen(["bash", str(PROJECT_ROOT / "scripts" / "serve.sh")], env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     server = Server(*ports, proc=proc, log=log)
     deadline = time.monotonic() + START_TIMEOUT_S

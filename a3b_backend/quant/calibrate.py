@@ -33,6 +33,8 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from a3b_backend.profiles import LICENCE_TEXTS
+
 # Linear layers quantized by default; embeddings, norms, lm_head and MoE routers stay.
 # (Gated DeltaNet's small in_proj_a/in_proj_b gate projections stay too.)
 QUANTIZED = re.compile(
@@ -183,7 +185,6 @@ def load_text(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace")
 
 
-LICENCES = Path("/usr/share/common-licenses")
 DOCUMENT_CHARS = 2500  # about 600 tokens: most 512-token windows start in a document the last did not see
 
 
@@ -192,7 +193,8 @@ def broad_calibration_text() -> str:
     Ubuntu ship and the long descriptions (README files) of the installed Python
     packages (technical English, markdown, reStructuredText, code examples),
     each cut to DOCUMENT_CHARS, in one fixed shuffled order (every tool and run reads the same text)."""
-    licences = sorted(p for p in LICENCES.iterdir() if p.is_file() and not p.is_symlink()) if LICENCES.is_dir() else []
+    licences = (sorted(p for p in LICENCE_TEXTS.iterdir() if p.is_file() and not p.is_symlink())
+                if LICENCE_TEXTS.is_dir() else [])
     documents = [load_text(p) for p in licences]
     readmes = {d.metadata["Name"].lower(): d.metadata.json.get("description", "")
                for d in importlib.metadata.distributions()}

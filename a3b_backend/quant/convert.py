@@ -18,7 +18,7 @@ an RMSNorm, and for each MLP's down_proj, folded into its up_proj's rows.
 Folding divides those layers' inputs by the scale, so the scales are kept
 (`INPUT_SCALES_FILE`, per linear, and `ROW_DIVISORS_FILE`, per up_proj): a
 LoRA adapter trained on the source model reads them to see the inputs and
-give the outputs it was trained on (a3b_backend/lora.py).
+give the outputs it was trained on (a3b_backend/serving/lora.py).
 With calibration the codes are chosen by error-compensating rounding (GPTQ's
 column order on each linear's input Hessian, a3b_backend/quant/gptq.py; it won
 `make compare-quant` on its varied 128 x 512-token calibration text and lost on
@@ -40,7 +40,6 @@ import argparse
 import copy
 import dataclasses
 import json
-import os
 import re
 import shutil
 import sys
@@ -52,7 +51,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from a3b_backend.quant import calibrate
+from a3b_backend.quant import calibrate, checkpoint
+from a3b_backend.quant.checkpoint import COPIED_FILES, INPUT_SCALES_FILE, ROW_DIVISORS_FILE
 from a3b_backend.quant.format import A3BConfig, A3BWeight, QuantizationError, dequantize, quantize
 from a3b_backend.quant.gptq import quantize_gptq
 from a3b_backend.quant.tune import TuneConfig, tune
@@ -62,11 +62,6 @@ KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5
 STACKED_EXPERTS = re.compile(r"\.layers\.\d+\..*experts\.(gate_up_proj|gate_proj|up_proj|down_proj)$")
 # Qwen3.5/3.6 (and Qwen3-Next) RMSNorms are zero-centred: they scale by (1 + w).
 ZERO_CENTRED_NORMS = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text", "qwen3_next")
-# Outside the top level, where vLLM loads every *.safetensors file as weights.
-INPUT_SCALES_FILE = "a3b/input_scales.safetensors"
-ROW_DIVISORS_FILE = "a3b/row_divisors.safetensors"
-COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
 
 
 class ConversionError(ValueError):
@@ -235,10 +230,7 @@ def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | No
     if calibration_text is not None:
         calibration, norm_scales = calibration_transform(src, calibration_text, calibration_tokens, config,
                                                          rounding, tune_config, zero_centred)
-    partial = dst.with_name(dst.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
+    with checkpoint.building(dst) as partial:
         shards = sorted(src.glob("*.safetensors"))
         index, total, quantized_weights = {}, 0, 0
         with tqdm(total=sum(_count(s) for s in shards), desc="quantizing", unit="tensor") as bar:
@@ -274,12 +266,6 @@ def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | No
         for fname in COPIED_FILES:
             if (src / fname).exists():
                 shutil.copy2(src / fname, partial / fname)
-        if dst.exists():  # empty, as check_paths made sure
-            dst.rmdir()
-        os.replace(partial, dst)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return dst
 
 

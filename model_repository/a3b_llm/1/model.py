@@ -1,7 +1,7 @@
 """a3b_llm: token ids in, token ids out per engine step (decoupled), via vLLM AsyncLLM."""
-from a3b_backend import triton_io
+from a3b_backend.serving import triton
 
-triton_io.use_utf8_locale()
+triton.use_utf8_locale()
 
 import asyncio  # noqa: E402
 import dataclasses  # noqa: E402
@@ -13,12 +13,15 @@ from pathlib import Path  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 
-from a3b_backend import contract, drain, lora, pacing  # noqa: E402
-from a3b_backend.engine import EngineHost  # noqa: E402
-from a3b_backend.generation import StepTracker, parse_llm_request, request_arrays, step_arrays  # noqa: E402
-from a3b_backend.metrics import TritonMetrics  # noqa: E402
-from a3b_backend.profiles import get_profile, request_limits  # noqa: E402
-from a3b_backend.triton_io import RequestError, string_value  # noqa: E402
+from a3b_backend import contract  # noqa: E402
+from a3b_backend.serving import drain, lora, pacing  # noqa: E402
+from a3b_backend.serving.adapters import Adapters  # noqa: E402
+from a3b_backend.engine.host import EngineHost  # noqa: E402
+from a3b_backend.serving.llm import StepTracker, parse_llm_request, request_arrays, step_arrays  # noqa: E402
+from a3b_backend.serving.metrics import TritonMetrics  # noqa: E402
+from a3b_backend.profiles import get_profile  # noqa: E402
+from a3b_backend.serving.sampling import Limits  # noqa: E402
+from a3b_backend.serving.tensors import RequestError, string_value  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INPUT_NAMES = contract.names(contract.LLM_INPUTS)
@@ -27,13 +30,13 @@ INPUT_NAMES = contract.names(contract.LLM_INPUTS)
 class TritonPythonModel:
     def initialize(self, args):
         profile = get_profile()
-        root = triton_io.project_root(args)
+        root = triton.project_root(args)
         self.max_in_flight = profile.max_in_flight
-        self.pacing = profile.pacing
+        self.pacing = pacing.ResponsePacing(profile.stream_responses_per_s)
         self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
         listed = lora.read_config(Path(args["model_repository"]) / args["model_version"], root)
         self.lora_work_dir = tempfile.TemporaryDirectory(prefix="a3b-lora-")
-        self.adapters = lora.Adapters.prepare(listed, profile.resolve_model_dir(root), Path(self.lora_work_dir.name),
+        self.adapters = Adapters.prepare(listed, profile.resolve_model_dir(root), Path(self.lora_work_dir.name),
                                               profile.max_lora_rank)
         self.host = EngineHost(
             profile.engine_args(root, enable_lora=bool(listed)),
@@ -44,29 +47,29 @@ class TritonPythonModel:
             restart_needs=profile.restart_needs,
         )
         vocab_size = self.host.engine.model_config.get_vocab_size()
-        self.limits = dataclasses.replace(request_limits(profile), vocab_size=vocab_size)
-        # for the reasoning / tool-call parsers, which run here (a3b_backend/parsing.py)
-        self.tokenizer = triton_io.load_tokenizer(args) if profile.parses_output else None
-        self.cancel_polls = triton_io.PollSchedule()
+        self.limits = dataclasses.replace(Limits.from_profile(profile), vocab_size=vocab_size)
+        # for the reasoning / tool-call parsers, which run here (a3b_backend/serving/parsing.py)
+        self.tokenizer = triton.load_tokenizer(args) if profile.parses_output else None
+        self.cancel_polls = triton.PollSchedule()
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             try:
-                tensors = triton_io.read_inputs(request, INPUT_NAMES)
+                tensors = triton.read_inputs(request, INPUT_NAMES)
                 if contract.ABORT_REQUEST_ID in tensors:
                     self.host.submit_abort(string_value(tensors, contract.ABORT_REQUEST_ID))
                     sender.send(flags=FINAL)
                     continue
-                refusal = self.host.refusal(self.max_in_flight, draining=drain.requested())
+                refusal = drain.SHUTTING_DOWN if drain.requested() else self.host.refusal(self.max_in_flight)
                 if refusal:
                     self.metrics.rejected()
-                    sender.send(triton_io.unavailable_response(pb_utils, refusal), flags=FINAL)
+                    sender.send(triton.unavailable_response(pb_utils, refusal), flags=FINAL)
                     continue
                 tracker = StepTracker(parse_llm_request(tensors, self.limits), self.tokenizer)
                 lora_request = self.adapters.request(tracker.request.lora_name)
             except RequestError as exc:
-                sender.send(triton_io.error_response(pb_utils, str(exc)), flags=FINAL)
+                sender.send(triton.error_response(pb_utils, str(exc)), flags=FINAL)
                 continue
             request_id = uuid.uuid4().hex
             self.host.submit(
@@ -87,22 +90,22 @@ class TritonPythonModel:
                     await self.host.abort(request_id)
                     break
                 step = tracker.step(output)
-                sender.send(triton_io.response(pb_utils, step_arrays(step, per_request)),
+                sender.send(triton.response(pb_utils, step_arrays(step, per_request)),
                             flags=FINAL if step.final else 0)
                 sent_final = step.final
         except EngineDeadError as exc:
-            sender.send(triton_io.unavailable_response(pb_utils, f"engine failed ({exc}); restarting, retry"),
+            sender.send(triton.unavailable_response(pb_utils, f"engine failed ({exc}); restarting, retry"),
                         flags=FINAL)
             sent_final = True
             self.host.restart_if_dead()
         except asyncio.CancelledError:
             # finalize() gave up waiting: the server is stopping with this stream unfinished.
-            sender.send(triton_io.unavailable_response(pb_utils, "server shut down before the generation finished; "
+            sender.send(triton.unavailable_response(pb_utils, "server shut down before the generation finished; "
                                                                  "retry on another replica"), flags=FINAL)
             sent_final = True
             raise
         except Exception as exc:  # one request's failure must not touch the others
-            sender.send(triton_io.error_response(pb_utils, f"generation failed: {exc}", invalid_argument=False),
+            sender.send(triton.error_response(pb_utils, f"generation failed: {exc}", invalid_argument=False),
                         flags=FINAL)
             sent_final = True
         finally:

@@ -1,7 +1,7 @@
 """vLLM quantization method "a3b": serve A3B checkpoints (docs/a3b_format.md) natively.
 
 Registered in every vLLM process (the EngineCore and its workers included)
-through the `vllm.general_plugins` entry point `register`. vLLM picks it from
+through the `vllm.general_plugins` entry point (a3b_backend/engine/plugin.py). vLLM picks it from
 the checkpoint's config.json `quantization_config.quant_method`.
 
 The packed codes and the stored metadata are loaded as they are, sharded by
@@ -26,13 +26,10 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-from vllm.model_executor.layers.linear import (LinearBase, LinearMethodBase, UnquantizedLinearMethod,
-                                               register_weight_loader_v2_supported_method)
-from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.parameter import BasevLLMParameter, PackedColumnParameter, PackedvLLMParameter
 
-from a3b_backend import engine_wait
 from a3b_backend.quant.format import (KERNEL_KINDS, KINDS, A3BConfig, A3BWeight, Kind, QuantizationError,
                                       StoredTensor, dequantize, stored_tensors)
 from a3b_kernels import cpu as cpu_kernels
@@ -393,34 +390,3 @@ class A3BMoEMethod(FusedMoEMethodBase):
             down = self._expert_linear(torch.nn.functional.silu(gate) * up, layer, "w2", expert)
             out.index_add_(0, tokens, down * topk_weights[tokens, slot, None].float())
         return out.to(x.dtype)
-
-
-def linear_weight_bytes(model: torch.nn.Module) -> dict[str, int]:
-    """Bytes the linear layers' parameters occupy in this process, and their weights' element count
-    (run in the engine's worker through LLM.apply_model)."""
-    resident = elements = 0
-    for module in model.modules():
-        if isinstance(module, LinearBase):
-            resident += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
-            elements += module.input_size * module.output_size
-    return {"resident": resident, "elements": elements}
-
-
-def linear_kernels(model: torch.nn.Module) -> list[str]:
-    """The kernels the linear layers run (through LLM.apply_model in the engine's worker): ours, or
-    which of vLLM's two CPU kernels its mixed-precision layers picked at load."""
-    kernels = set()
-    for module in model.modules():
-        if getattr(module, "a3b", None) is not None:
-            kernels.add("A3B plugin")
-        elif hasattr(module, "use_w4a8"):
-            kernels.add("int4_scaled_mm_cpu (W4A8)" if module.use_w4a8 else f"cpu_gemm_wna16 ({module.isa_hint})")
-    return sorted(kernels) or ["vLLM's bf16 GEMM"]
-
-
-def register() -> None:
-    """vllm.general_plugins entry point."""
-    engine_wait.bound_busy_wait()
-    if NAME not in QUANTIZATION_METHODS:
-        register_quantization_config(NAME)(A3BQuantConfig)
-        register_weight_loader_v2_supported_method(A3BLinearMethod)

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 
 from a3b_backend.contract import POSTPROCESS_CONFIG, REQUEST_ID
-from a3b_backend.detokenize import DecodeRule
-from a3b_backend.parsing import ChatParser, ParsedStep, parser_class, tool_calls_json
-from a3b_backend.request import Limits, check_token_ids, finalize_sampling, parse_sampling_json
-from a3b_backend.triton_io import RequestError, string_tensor, string_value
+from a3b_backend.serving.detokenize import DecodeRule
+from a3b_backend.serving.parsing import ChatParser, ParsedStep, parser_class, tool_calls_json
+from a3b_backend.serving.sampling import Limits, check_token_ids, finalize_sampling, parse_sampling_json
+from a3b_backend.serving.tensors import RequestError, string_tensor, string_value
 
 # Validated for clear errors, but not SamplingParams fields in vLLM 0.32
 # (lora_name becomes the request's LoRARequest).

@@ -8,7 +8,7 @@ model reads them from `profiles.py` at load time, chosen by $A3B_PROFILE.
     a3b-render --lora NAME=DIR [--lora NAME=DIR ...]   # serve LoRA adapters
     a3b-render --no-lora                               # stop serving them
 
-LoRA adapters are listed vllm_backend's way (a3b_backend/lora.py) in the
+LoRA adapters are listed vllm_backend's way (a3b_backend/serving/lora.py) in the
 version directories of the LLM model and of `ensemble`; the configs do not
 change.
 """
@@ -19,8 +19,11 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
-from a3b_backend import contract, lora
+from a3b_backend import contract
 from a3b_backend.contract import Tensor
+from a3b_backend.deploy.rendered import write_or_check
+from a3b_backend.profiles import PROJECT_ROOT
+from a3b_backend.serving import lora
 
 HEADER = "# Rendered by `a3b-render` from a3b_backend/contract.py; do not edit by hand.\n"
 
@@ -113,7 +116,7 @@ def write_lora(repository: Path, adapters: dict[str, Path]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repository", type=Path, default=Path(__file__).resolve().parent.parent / "model_repository")
+    parser.add_argument("--repository", type=Path, default=PROJECT_ROOT / "model_repository")
     parser.add_argument("--check", action="store_true", help="fail if a committed config differs from the rendered one")
     lora_group = parser.add_mutually_exclusive_group()
     lora_group.add_argument("--lora", type=lora_entry, action="append", metavar="NAME=DIR",
@@ -122,18 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.lora or args.no_lora:
         write_lora(args.repository, dict(args.lora or []))
-    stale = []
-    for model, text in render().items():
-        path = args.repository / model / "config.pbtxt"
-        if args.check:
-            if not path.exists() or path.read_text() != text:
-                stale.append(str(path))
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        print(f"wrote {path}")
+    configs = {args.repository / model / "config.pbtxt": text for model, text in render().items()}
+    stale = write_or_check(configs, args.check)
     if stale:
-        print("stale configs (run a3b-render): " + ", ".join(stale), file=sys.stderr)
+        print("stale configs (run a3b-render): " + ", ".join(map(str, stale)), file=sys.stderr)
         return 1
     return 0
 

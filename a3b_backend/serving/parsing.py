@@ -21,7 +21,7 @@ import functools
 import json
 from typing import Any
 
-from a3b_backend.triton_io import RequestError
+from a3b_backend.serving.tensors import RequestError
 
 
 @dataclasses.dataclass

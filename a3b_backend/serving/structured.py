@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any, Literal
 
-from a3b_backend.triton_io import RequestError
+from a3b_backend.serving.tensors import RequestError
 
 Constraint = Literal["json", "regex", "choice", "grammar", "json_object"]
 CONSTRAINTS: tuple[Constraint, ...] = ("json", "regex", "choice", "grammar", "json_object")

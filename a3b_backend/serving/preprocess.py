@@ -7,8 +7,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from a3b_backend.request import GenerationRequest, Limits, check_prompt_size, finalize_sampling, parse_request
-from a3b_backend.triton_io import RequestError, string_tensor
+from a3b_backend.serving.request import GenerationRequest, parse_request
+
+from a3b_backend.serving.sampling import Limits, check_prompt_size, finalize_sampling
+from a3b_backend.serving.tensors import RequestError, string_tensor
 
 
 @dataclasses.dataclass

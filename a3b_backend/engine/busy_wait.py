@@ -1,6 +1,6 @@
 """How vLLM's engine processes wait for each other: a bound on vLLM's busy-wait
 where the profile sets one. Called from the vLLM plugin's entry point
-(a3b_backend/vllm_a3b.py: register), so it runs in every vLLM process before
+(a3b_backend/engine/a3b_method.py: register), so it runs in every vLLM process before
 its message queues exist."""
 from __future__ import annotations
 

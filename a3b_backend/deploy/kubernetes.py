@@ -1,4 +1,4 @@
-"""Kubernetes manifests rendered from the profiles, and the profile consistency checks.
+"""Kubernetes manifests rendered from the profiles.
 
     a3b-deploy [--out deploy/kubernetes] [--check]
 
@@ -20,8 +20,9 @@ from typing import Any
 
 import yaml
 
+from a3b_backend.deploy.rendered import write_or_check
 from a3b_backend.profiles import (DEFAULT_MASTER_PORT, MASTER_ADDR_ENV, MASTER_PORT_ENV, MODEL_DIR_ENV,
-                                  NODE_RANK_ENV, PROFILE_ENV, PROFILES, Profile)
+                                  NODE_RANK_ENV, PROFILE_ENV, PROFILES, PROJECT_ROOT, Profile, check_profile)
 
 APP = "a3b-triton"
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
@@ -33,46 +34,6 @@ EXIT_TIMEOUT_S = 60
 SHUTDOWN_BOUND_S = EXIT_TIMEOUT_S + 10 + 5 + 5
 MODEL_MOUNT = "/models"
 TLS_MOUNT = "/tls"
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-EXECUTORS = (None, "mp", "ray", "uni")
-
-
-def check_profile(p: Profile) -> list[str]:
-    """Problems that would only show on the target hardware, found here."""
-    problems = []
-    world = p.tensor_parallel_size * p.pipeline_parallel_size
-    if p.gpus_per_node == 0:
-        if p.tensor_parallel_size != 1 or world != p.nodes:
-            problems.append(f"{p.name}: a CPU profile runs one worker per node (tp*pp={world}, nodes={p.nodes})")
-    elif world != p.gpus_per_node * p.nodes:
-        problems.append(f"{p.name}: tensor_parallel_size*pipeline_parallel_size = {world} but the profile declares "
-                        f"{p.gpus_per_node} GPUs x {p.nodes} nodes = {p.gpus_per_node * p.nodes}")
-    if p.tensor_parallel_size > max(p.gpus_per_node, 1):
-        problems.append(f"{p.name}: tensor parallel size {p.tensor_parallel_size} spans nodes "
-                        f"({p.gpus_per_node} GPUs per node); use pipeline parallelism across nodes")
-    if p.max_model_len > p.model_context_limit:
-        problems.append(f"{p.name}: max_model_len {p.max_model_len} exceeds the model's context "
-                        f"{p.model_context_limit}")
-    if p.default_max_tokens >= p.max_model_len:
-        problems.append(f"{p.name}: default_max_tokens {p.default_max_tokens} leaves no room for a prompt")
-    if p.nodes > 1 and p.distributed_executor_backend != "mp":
-        problems.append(f"{p.name}: {p.nodes} nodes need distributed_executor_backend 'mp' (vLLM's nnodes), "
-                        f"not {p.distributed_executor_backend!r}")
-    if p.distributed_executor_backend not in EXECUTORS:
-        problems.append(f"{p.name}: unknown executor {p.distributed_executor_backend!r}")
-    if p.kv_cache_dtype not in KV_CACHE_DTYPES:
-        problems.append(f"{p.name}: kv_cache_dtype {p.kv_cache_dtype!r} not one of {KV_CACHE_DTYPES}")
-    if p.enable_expert_parallel and world == 1:
-        problems.append(f"{p.name}: expert parallelism needs more than one GPU")
-    if p.max_in_flight < p.max_num_seqs:
-        problems.append(f"{p.name}: max_in_flight {p.max_in_flight} below max_num_seqs {p.max_num_seqs} "
-                        "leaves engine slots unused")
-    if p.max_num_batched_tokens is not None and not p.enable_chunked_prefill \
-            and p.max_num_batched_tokens < p.max_model_len:
-        problems.append(f"{p.name}: without chunked prefill max_num_batched_tokens must cover max_model_len")
-    return problems
-
-
 def _image(p: Profile) -> str:
     return f"{APP}:{'gpu' if p.gpus_per_node else 'cpu'}"
 
@@ -258,19 +219,12 @@ def render() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "deploy" / "kubernetes")
+    parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "deploy" / "kubernetes")
     parser.add_argument("--check", action="store_true", help="fail on profile problems or stale manifests")
     args = parser.parse_args(argv)
     problems = [msg for p in PROFILES.values() for msg in check_profile(p)]
-    for name, text in render().items():
-        path = args.out / name
-        if args.check:
-            if not path.exists() or path.read_text() != text:
-                problems.append(f"stale manifest {path} (run a3b-deploy)")
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        print(f"wrote {path}")
+    stale = write_or_check({args.out / name: text for name, text in render().items()}, args.check)
+    problems += [f"stale manifest {path} (run a3b-deploy)" for path in stale]
     for msg in problems:
         print(msg, file=sys.stderr)
     return 1 if problems else 0

@@ -9,7 +9,7 @@ A3B_DRAIN_FILE), which makes `a3b_llm` refuse new requests with a retryable
 `a3b_num_requests_in_flight` gauge on the metrics port) or the drain timeout
 passes, and only then stops the server.
 
-    python -m a3b_backend.drain --metrics-url http://127.0.0.1:8002/metrics --timeout 30
+    python -m a3b_backend.serving.drain --metrics-url http://127.0.0.1:8002/metrics --timeout 30
 """
 from __future__ import annotations
 

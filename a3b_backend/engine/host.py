@@ -13,8 +13,6 @@ import os
 import threading
 from typing import Any, AsyncIterator, Callable, Coroutine
 
-from a3b_backend.drain import SHUTTING_DOWN
-
 log = logging.getLogger(__name__)
 
 
@@ -112,10 +110,8 @@ class EngineHost:
         if request_id in self._in_flight:
             asyncio.run_coroutine_threadsafe(self.abort(request_id), self._loop)
 
-    def refusal(self, max_in_flight: int, draining: bool = False) -> str | None:
-        """Why a new request must be refused now (retryable), or None to admit it."""
-        if draining:
-            return SHUTTING_DOWN
+    def refusal(self, max_in_flight: int) -> str | None:
+        """Why the engine must refuse a new request now (retryable), or None to admit it."""
         if not self.healthy:
             needs = f"; {self._restart_needs}" if self._restart_needs else ""
             return f"engine restarting after a failure; retry in a few seconds{needs}"

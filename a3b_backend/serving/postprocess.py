@@ -7,8 +7,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from a3b_backend.contract import POSTPROCESS_CONFIG
-from a3b_backend.detokenize import DecodeRule, text_delta
-from a3b_backend.triton_io import string_tensor, string_value
+from a3b_backend.serving.detokenize import DecodeRule, text_delta
+from a3b_backend.serving.tensors import string_tensor, string_value
 
 
 # Asked for, they make a3b_llm parse the answer (preprocess.parser_config).

