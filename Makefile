@@ -19,7 +19,7 @@ setup:
 # calibrated on all of the GPL-3 text, 7,658 tokens: with its first 2,048 the
 # float32 greedy answer to "What is the capital of France?" went astray;
 # ~4 min on 2 cores). Nearest rounding: error-compensating rounding's
-# Hessians need varied text (README, "A3B quantization"), and one licence is not.
+# Hessians need varied text (docs/quantization.md), and one licence is not.
 model: setup
 	$(PY) -m a3b_backend.prepare.smollm2 --out $(MODEL_DIR)
 	test -d $(MODEL_DIR)-a3b || $(PY) -m a3b_backend.quant.convert $(MODEL_DIR) $(MODEL_DIR)-a3b \
@@ -147,7 +147,7 @@ quant-tools:
 
 # A3B vs llm-compressor's GPTQ / AWQ W4A16 served by stock vLLM: perf/results/quant_compare/
 # (a run converts each checkpoint into models/quant_compare/ unless one built by the same command
-# from the same calibration text is there; times in the README)
+# from the same calibration text is there; times in docs/quantization.md)
 compare-quant: setup model quant-tools
 	$(PY) perf/quant_compare/compare.py
 

@@ -121,7 +121,7 @@ class Profile:
     # before sleeping until notified; None keeps vLLM's 1 s, which never lapses
     # while streams run. Where the engine computes on the CPUs, EngineCore
     # spinning through every step holds a core the serving path needs
-    # (README Performance, "Serving overhead"), so it sleeps at once there.
+    # (docs/performance.md, "Serving overhead"), so it sleeps at once there.
     engine_busy_wait_s: float | None = None
     trust_remote_code: bool = False
     # Request limits enforced before anything reaches the engine. Past
@@ -132,7 +132,7 @@ class Profile:
     max_stop_word_chars: int = 256
     # Responses per second all streams together may send (a3b_backend/serving/pacing.py):
     # below the serving path's ceiling, which make bench-serving-path measured
-    # at about 2,000 per second on the 2-core CPU machine (README Performance,
+    # at about 2,000 per second on the 2-core CPU machine (docs/performance.md,
     # where 1,600 against 1,200 is compared too). Hosts with more cores carry
     # more; measure there with the same command before raising it.
     stream_responses_per_s: float = 1600.0

@@ -1,7 +1,7 @@
 """The ensemble's cost over bare vLLM across several runs of perf/overhead.py.
 
 One run's interval holds only the noise between its rounds; runs of the same
-code on the same machine kind have differed by more than that (README,
+code on the same machine kind have differed by more than that (docs/performance.md,
 Serving overhead), because part of the cost is set by something that lasts a
 whole run (each starts its own server and engine). This reads the per-round
 medians the runs saved (overhead.json) and bootstraps on two levels, runs and

@@ -1,5 +1,5 @@
 """SIGTERM with `ensemble` streams in flight, against a server of its own
-started through scripts/serve.sh (the drain before shutdown, README Operations).
+started through scripts/serve.sh (the drain before shutdown, docs/operations.md).
 
     make bench-shutdown            # perf/results/shutdown.md
 

@@ -30,12 +30,24 @@ def test_make_target_expands(target):
     assert done.returncode == 0, done.stderr
 
 
+DOCS = [PROJECT_ROOT / "README.md", PROJECT_ROOT / "perf" / "README.md", PROJECT_ROOT / "kernels" / "README.md",
+        *sorted((PROJECT_ROOT / "docs").glob("*.md"))]
+
+
 def test_every_documented_target_is_phony():
-    """README and perf/README name targets that exist."""
+    """The README, perf/README, kernels/README and docs/ name targets that exist."""
     documented = set()
-    for doc in ("README.md", "perf/README.md"):
-        documented |= set(re.findall(r"`make ([a-z][a-z0-9-]*)", (PROJECT_ROOT / doc).read_text()))
+    for doc in DOCS:
+        documented |= set(re.findall(r"`make ([a-z][a-z0-9-]*)", doc.read_text()))
     assert documented <= set(phony_targets()), documented - set(phony_targets())
+
+
+def test_readme_is_a_front_door_whose_links_exist():
+    text = (PROJECT_ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 300
+    linked = re.findall(r"\]\((?!https?:)([^)#]+)\)", text) + re.findall(r"\b((?:docs|perf|kernels)/[\w/.-]+\.md)\b", text)
+    assert linked and all((PROJECT_ROOT / path).is_file() for path in linked), \
+        [path for path in linked if not (PROJECT_ROOT / path).is_file()]
 
 
 @pytest.mark.parametrize("script", PERF_SCRIPTS)
