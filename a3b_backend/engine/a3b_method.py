@@ -31,7 +31,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.parameter import BasevLLMParameter, PackedColumnParameter, PackedvLLMParameter
 
 from a3b_backend.quant.format import (KERNEL_KINDS, KINDS, A3BConfig, A3BWeight, Kind, QuantizationError,
-                                      StoredTensor, dequantize, stored_tensors)
+                                      StoredTensor, check_stored_shape, dequantize, stored_tensors)
 from a3b_kernels import cpu as cpu_kernels
 
 logger = init_logger("vllm.a3b")  # under vLLM's logger, so its workers print it
@@ -278,12 +278,11 @@ def gpu_moe(x: torch.Tensor, w13: A3BWeight, w2: A3BWeight, topk_weights: torch.
 def check_stored_tensor(name: str, kind: Kind, loaded: torch.Tensor, weight_shape: tuple[int, int],
                         block: tuple[int, int]) -> None:
     """Refuse a stored A3B tensor that does not fit the model's [out, in] weight and the block shape."""
+    try:
+        check_stored_shape(name, kind, tuple(loaded.shape), weight_shape, block)
+    except QuantizationError as exc:
+        raise A3BCheckpointError(f"{exc} (block shape from quantization_config.block_shape)") from None
     out, inp = weight_shape
-    expected = stored_tensors(out, inp, block)[kind].shape
-    if tuple(loaded.shape) != expected:
-        raise A3BCheckpointError(
-            f"{name} has shape {list(loaded.shape)}; a [{out}, {inp}] weight in {block[0]}x{block[1]} blocks "
-            f"(quantization_config.block_shape) needs {list(expected)}")
     if kind == "shape" and loaded.tolist() != [out, inp]:
         raise A3BCheckpointError(f"{name} = {loaded.tolist()} but the model expects a [{out}, {inp}] weight")
 

@@ -337,15 +337,21 @@ def quantize(weight: torch.Tensor, config: A3BConfig = A3BConfig(), col_importan
     return q
 
 
+def check_stored_shape(name: str, kind: Kind, shape: tuple[int, ...], weight_shape: tuple[int, int],
+                       block: tuple[int, int]) -> None:
+    """Refuse a stored tensor that does not fit an [out, in] weight in `block` blocks."""
+    out, inp = weight_shape
+    expected = stored_tensors(out, inp, block)[kind].shape
+    if tuple(shape) != expected:
+        raise QuantizationError(f"{name} has shape {list(shape)}; a [{out}, {inp}] weight in {block[0]}x{block[1]} "
+                                f"blocks needs {list(expected)}")
+
+
 def check_shapes(weight: A3BWeight, block: tuple[int, int], name: str = "weight") -> None:
     """Refuse tensors that do not fit the weight's recorded shape in `block` blocks."""
-    out, inp = weight.out_features, weight.in_features
-    for kind, spec in stored_tensors(out, inp, block).items():
-        got = tuple(getattr(weight, kind).shape)
-        if got != spec.shape:
-            raise QuantizationError(
-                f"{name}_{kind} has shape {list(got)}; a [{out}, {inp}] weight in {block[0]}x{block[1]} blocks "
-                f"needs {list(spec.shape)}")
+    for kind in KINDS:
+        check_stored_shape(f"{name}_{kind}", kind, tuple(getattr(weight, kind).shape),
+                           (weight.out_features, weight.in_features), block)
 
 
 def dequantize(weight: A3BWeight, config: A3BConfig) -> torch.Tensor:
