@@ -13,7 +13,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from a3b_backend.bench import server_process
-from a3b_backend.profiles import get_profile
+from a3b_backend.profiles import PROJECT_ROOT, get_profile
 from served import http_post, sse_events, stream_infer, tensor, text_request, texts
 
 pytestmark = pytest.mark.served
@@ -106,7 +106,7 @@ def assert_same_up_to_a_tie(together: list[int], solo: list[int], solo_steps: li
 def chat_ids() -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(PROFILE.resolve_model_dir(server_process.ROOT))
+    tok = AutoTokenizer.from_pretrained(PROFILE.resolve_model_dir(PROJECT_ROOT))
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                add_generation_prompt=True)) for p in PROMPTS]
 
@@ -155,7 +155,7 @@ def test_chat_template_kwargs_reach_the_template(qwen_server, form):
     """Qwen3.6's template opens a think block by default; enable_thinking=false closes an empty one."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(PROFILE.resolve_model_dir(server_process.ROOT))
+    tok = AutoTokenizer.from_pretrained(PROFILE.resolve_model_dir(PROJECT_ROOT))
     chat = [{"role": "user", "content": PROMPTS[0]}]
     request = ({"messages": json.dumps(chat)} if form == "messages"
                else {"text_input": PROMPTS[0], "apply_chat_template": True})

@@ -279,9 +279,9 @@ def check_stored_tensor(name: str, kind: Kind, loaded: torch.Tensor, weight_shap
                         block: tuple[int, int]) -> None:
     """Refuse a stored A3B tensor that does not fit the model's [out, in] weight and the block shape."""
     try:
-        check_stored_shape(name, kind, tuple(loaded.shape), weight_shape, block)
+        check_stored_shape(name, kind, tuple(loaded.shape), weight_shape, block, "quantization_config.block_shape")
     except QuantizationError as exc:
-        raise A3BCheckpointError(f"{exc} (block shape from quantization_config.block_shape)") from None
+        raise A3BCheckpointError(str(exc)) from None
     out, inp = weight_shape
     if kind == "shape" and loaded.tolist() != [out, inp]:
         raise A3BCheckpointError(f"{name} = {loaded.tolist()} but the model expects a [{out}, {inp}] weight")

@@ -338,13 +338,15 @@ def quantize(weight: torch.Tensor, config: A3BConfig = A3BConfig(), col_importan
 
 
 def check_stored_shape(name: str, kind: Kind, shape: tuple[int, ...], weight_shape: tuple[int, int],
-                       block: tuple[int, int]) -> None:
-    """Refuse a stored tensor that does not fit an [out, in] weight in `block` blocks."""
+                       block: tuple[int, int], block_from: str = "") -> None:
+    """Refuse a stored tensor that does not fit an [out, in] weight in `block` blocks
+    (`block_from`: where the block shape was read, for the message)."""
     out, inp = weight_shape
     expected = stored_tensors(out, inp, block)[kind].shape
     if tuple(shape) != expected:
+        source = f" ({block_from})" if block_from else ""
         raise QuantizationError(f"{name} has shape {list(shape)}; a [{out}, {inp}] weight in {block[0]}x{block[1]} "
-                                f"blocks needs {list(expected)}")
+                                f"blocks{source} needs {list(expected)}")
 
 
 def check_shapes(weight: A3BWeight, block: tuple[int, int], name: str = "weight") -> None:
