@@ -11,6 +11,7 @@ from a3b_backend.quant.checkpoint import INPUT_SCALES_FILE, ROW_DIVISORS_FILE
 
 from a3b_backend.quant.convert import ConversionError, convert, fold_norm_scale
 from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
+from a3b_backend.quant.tune import TuneConfig
 
 CONFIG = A3BConfig(1, 32, iterations=2)  # the converter tests' quantizer
 
@@ -160,6 +161,13 @@ def test_refusals(tmp_path):
     save_file({"x": torch.zeros(2)}, odd / "model.safetensors")
     with pytest.raises(ConversionError, match="architecture 'bert'"):
         convert(odd, tmp_path / "out", CONFIG)
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    (renamed / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"transformer.h.0.attn.c_attn.weight": torch.zeros(2, 2)}, renamed / "model.safetensors")
+    with pytest.raises(ConversionError, match="no decoder layers found under any known layout"):
+        convert(renamed, tmp_path / "out", CONFIG)
+    assert not (tmp_path / "out").exists()
     with pytest.raises(ConversionError, match="--rounding gptq needs --calibration-text"):
         convert(src, tmp_path / "out", CONFIG, rounding="gptq")
 
@@ -180,15 +188,14 @@ def test_stacked_experts_are_written_per_expert():
     from a3b_backend.quant.convert import convert_tensor
 
     gate_up = torch.randn(3, 32, 64) * 0.02  # [E, 2I, H]: gate rows, then up rows
-    out, count = convert_tensor("model.language_model.layers.0.mlp.experts.gate_up_proj", gate_up, CONFIG, {}, {})
+    out, count = convert_tensor("model.language_model.layers.0.mlp.experts.gate_up_proj", gate_up, CONFIG)
     assert count == gate_up.numel()
     for e in range(3):
         for proj, rows in (("gate_proj", gate_up[e, :16]), ("up_proj", gate_up[e, 16:])):
             name = f"model.language_model.layers.0.mlp.experts.{e}.{proj}.weight"
             q = A3BWeight.from_tensors(out, name)
             assert ((dequantize(q, CONFIG) - rows).norm() / rows.norm()) < 0.2
-    down, _ = convert_tensor("model.language_model.layers.0.mlp.experts.down_proj", torch.randn(3, 64, 16), CONFIG,
-                             {}, {})
+    down, _ = convert_tensor("model.language_model.layers.0.mlp.experts.down_proj", torch.randn(3, 64, 16), CONFIG)
     assert A3BWeight.from_tensors(down, "model.language_model.layers.0.mlp.experts.2.down_proj.weight").in_features == 16
 
 
@@ -240,30 +247,120 @@ def test_awq_scale_folds_into_zero_centred_norms():
 
 @pytest.mark.parametrize("model_type, extra", [("qwen3_moe", dict(MOE, decoder_sparse_step=1)),
                                                ("qwen3_5_moe_text", QWEN35)])
-def test_experts_are_fitted_on_their_moe_blocks_input(tmp_path, tokenizer, model_type, extra):
-    """A routed expert sees few calibration tokens: its gate/up projections take the importance of the
-    MoE block's input over every token, its down projection none."""
+def test_each_expert_gets_the_statistics_of_the_tokens_routed_to_it(tmp_path, tokenizer, model_type, extra):
+    """gate/up: the tokens the router sent to that expert; down_proj: the expert's own act(gate) * up."""
     from transformers import AutoModelForCausalLM
 
-    from a3b_backend.quant import calibrate, convert as converter
-    from a3b_backend.quant.format import quantize
+    from a3b_backend.quant import calibrate
 
     model = AutoModelForCausalLM.from_pretrained(tiny(tmp_path, model_type, vocab_size=len(tokenizer), **extra),
                                                  dtype=torch.float32)
     ids = torch.tensor(tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)[:64])
+    block = model.get_submodule("model.layers.1.mlp")
+    inputs = []
+    hook = block.register_forward_hook(lambda _m, args, _o: inputs.append(args[0].reshape(-1, args[0].shape[-1])))
     stats = calibrate.collect(model, ids, seq_len=32)
-    block = "model.layers.1.mlp"
-    assert stats[block].count == 64  # every token, whichever experts it was routed to
-    assert calibrate.expert_input_stats(f"{block}.experts.3.up_proj") == block
-    assert calibrate.expert_input_stats(f"{block}.experts.3.down_proj") is None
-    calibration = {name: converter.LinearCalibration(st.importance) for name, st in stats.items()}
-    w = torch.randn(32, 64)
-    name = f"{block}.experts.2.gate_proj.weight"
-    fitted = converter.quantize_linear(name, w, CONFIG, calibration).tensors(name)
-    expected = quantize(w, CONFIG, col_importance=stats[block].importance, name=name).tensors(name)
-    assert all(torch.equal(fitted[k], expected[k]) for k in expected)
-    plain = quantize(w, CONFIG, name=name).tensors(name)
-    assert any(not torch.equal(fitted[k], plain[k]) for k in plain)
+    hook.remove()
+    x = torch.cat(inputs)
+    assert stats["model.layers.1.mlp"].count == 64  # the block's input: every token
+    _, _, chosen = block.gate(x)
+    experts = block.experts
+    for e in range(experts.gate_up_proj.shape[0]):
+        routed = x[(chosen == e).any(-1)]
+        if len(routed) == 0:
+            assert f"model.layers.1.mlp.experts.{e}.gate_proj" not in stats
+            continue
+        own = stats[f"model.layers.1.mlp.experts.{e}.gate_proj"]
+        assert own is stats[f"model.layers.1.mlp.experts.{e}.up_proj"] and own.count == len(routed)
+        torch.testing.assert_close(own.importance, (routed ** 2).mean(0))
+        gate, up = torch.nn.functional.linear(routed, experts.gate_up_proj[e]).chunk(2, dim=-1)
+        torch.testing.assert_close(stats[f"model.layers.1.mlp.experts.{e}.down_proj"].importance,
+                                   ((experts.act_fn(gate) * up) ** 2).mean(0))
+
+
+def test_experts_with_too_few_tokens_fall_back_to_their_blocks_statistics_and_are_counted(tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from a3b_backend.quant import calibrate
+
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny(tmp_path, "qwen3_moe", vocab_size=len(tokenizer), **dict(MOE, decoder_sparse_step=1)),
+        dtype=torch.float32)
+    def never_expert_3(_router, _args, out):
+        logits = out[0].clone()
+        logits[:, 3] = float("-inf")
+        weights, chosen = logits.softmax(-1).topk(MOE["num_experts_per_tok"], dim=-1)
+        return logits, (weights / weights.sum(-1, keepdim=True)).to(out[1].dtype), chosen
+
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(never_expert_3)
+    stats = calibrate.collect(model, torch.tensor(tokenizer.encode("A lazy dog sleeps in the sun. " * 4)[:32]))
+    assert "model.layers.0.mlp.experts.3.gate_proj" not in stats
+    routed = sum(stats[f"model.layers.0.mlp.experts.{e}.down_proj"].count for e in range(3))
+    fallbacks = calibrate.fill_expert_fallbacks(stats, model)
+    starved = [(layer, e) for layer in (0, 1) for e in range(4)
+               if stats[f"model.layers.{layer}.mlp.experts.{e}.gate_proj"] is stats[f"model.layers.{layer}.mlp"]]
+    assert (0, 3) in starved and (1, 3) in starved and fallbacks == len(starved)
+    # down_proj: every expert's intermediate activations of the block, pooled
+    assert stats["model.layers.0.mlp.experts.3.down_proj"].count == routed == 32 * MOE["num_experts_per_tok"]
+
+
+def test_names_resolve_between_the_published_layout_and_the_loaded_model():
+    from a3b_backend.quant.names import PUBLISHED, TEXT_ONLY, LayoutError, layout_of
+
+    published = ["model.language_model.layers.0.mlp.experts.gate_up_proj", "model.visual.blocks.0.attn.qkv.weight",
+                 "mtp.layers.0.self_attn.q_proj.weight", "lm_head.weight"]
+    assert layout_of(published) is PUBLISHED
+    assert layout_of(["model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"]) is TEXT_ONLY
+    expert = "layers.3.mlp.experts.7.down_proj"
+    assert PUBLISHED.module(f"model.language_model.{expert}") == f"model.{expert}"
+    assert PUBLISHED.module("model.language_model.layers.3.input_layernorm") == "model.layers.3.input_layernorm"
+    assert PUBLISHED.module("mtp.layers.0.self_attn.q_proj") is None
+    assert PUBLISHED.module("model.visual.blocks.0.attn.qkv") is None
+    assert PUBLISHED.module("lm_head") == "lm_head"
+    assert PUBLISHED.checkpoint("model.layers.3.linear_attn.out_proj") == \
+        "model.language_model.layers.3.linear_attn.out_proj"
+    assert TEXT_ONLY.module("model.layers.3.mlp.down_proj") == TEXT_ONLY.checkpoint("model.layers.3.mlp.down_proj")
+    with pytest.raises(LayoutError, match="no decoder layers found under any known layout.*transformer.h.0"):
+        layout_of(["transformer.h.0.attn.c_attn.weight"])
+
+
+def test_published_layout_calibrates_every_linear(tmp_path, tokenizer):
+    """Qwen3.6's published layout (model.language_model.*, stacked experts, an MTP layer): transformers
+    names its modules without language_model, and every linear still gets its statistics."""
+    from a3b_backend.prepare.qwen_tiny import real_layout
+
+    text_only = tiny(tmp_path, "qwen3_5_moe_text", vocab_size=len(tokenizer), **QWEN35)
+    src = tmp_path / "published"
+    src.mkdir()
+    save_file(real_layout(tensors(text_only)), src / "model.safetensors", metadata={"format": "pt"})
+    (src / "config.json").write_text((text_only / "config.json").read_text())
+    tokenizer.save_pretrained(src)
+    text = tmp_path / "calib.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. A lazy dog sleeps in the sun all day. " * 30)
+    plain = tensors(convert(src, tmp_path / "plain", CONFIG))
+    calibrated_dir = convert(src, tmp_path / "calibrated", CONFIG, calibration_text=text, calibration_tokens=256,
+                             rounding="nearest", tune_config=TuneConfig(epochs=0))
+    calibrated = tensors(calibrated_dir)
+    quantization = json.loads((calibrated_dir / "config.json").read_text())["quantization_config"]
+    assert quantization["calibrated"] is True and quantization["experts_on_fallback"] >= 0
+    codes = [n for n in plain if n.endswith("_packed")]
+    assert all(n.startswith("model.language_model.layers.") for n in codes)
+    changed = [n for n in codes if not torch.equal(plain[n], calibrated[n])]
+    assert len(changed) >= 0.9 * len(codes), sorted(set(codes) - set(changed))[:5]
+    norm = "model.language_model.layers.1.input_layernorm.weight"  # the full-attention layer's q/k/v fold in
+    assert not torch.equal(plain[norm], calibrated[norm])
+    assert all(torch.equal(plain[n], calibrated[n]) for n in plain if n.startswith("mtp."))
+
+
+def test_a_calibrated_conversion_refuses_a_linear_without_statistics():
+    from a3b_backend.quant.convert import LinearCalibration, quantize_linear
+
+    calibration = {"model.layers.0.self_attn.q_proj": LinearCalibration(torch.ones(64))}
+    with pytest.raises(ConversionError, match=r"no statistics for the linear model\.language_model\.layers\.0\.self_"
+                                              r"attn\.k_proj\.weight \(module model\.layers\.0\.self_attn\.k_proj"):
+        quantize_linear("model.language_model.layers.0.self_attn.k_proj.weight", torch.randn(64, 64), CONFIG,
+                        calibration, "model.layers.0.self_attn.k_proj")
 
 
 def test_hessians_are_the_inputs_second_moments(tmp_path, tokenizer):

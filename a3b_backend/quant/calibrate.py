@@ -14,11 +14,14 @@ value of each input channel over calibration text. Two uses:
   blocks); other layers get the importance weighting alone, so no runtime op
   is needed.
 
-MoE experts are fitted on expert-agnostic statistics: a routed expert sees
-only the few calibration tokens sent to it, too few to weight its columns by,
-so every expert's gate/up projection takes the importance of its MoE block's
-input over all tokens (`expert_input_stats`). Their down projections, whose
-inputs are each expert's own activations, get no importance weighting.
+Routed experts get statistics of their own: the model routes each token as it
+serves (its router's top-k), and a hook on the experts module records, for
+every expert, the tokens routed to it (its gate/up input) and its own
+intermediate activations act(gate) * up (its down_proj input). An expert that
+saw fewer than MIN_EXPERT_TOKENS tokens falls back to its MoE block's
+statistics: the block's input over all tokens for gate/up, the pooled
+intermediate activations of the block's experts for down_proj
+(`fill_expert_fallbacks`, which counts them).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import torch
 from tqdm import tqdm
 
 from a3b_backend.profiles import LICENCE_TEXTS
+from a3b_backend.quant.names import OUTSIDE_TEXT_MODEL
 
 # Linear layers quantized by default; embeddings, norms, lm_head and MoE routers stay.
 # (Gated DeltaNet's small in_proj_a/in_proj_b gate projections stay too.)
@@ -41,13 +45,13 @@ QUANTIZED = re.compile(
     r"\.layers\.\d+\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|in_proj_qkvz|in_proj_qkv|"
     r"in_proj_z|out_proj)$"
 )
-# Kept as they are whatever their names: the multi-token-prediction layer (not
-# served) and a vision tower.
-KEPT = re.compile(r"^(mtp\.|model\.visual\.|visual\.)")
+# An expert's statistics stand on their own from this many routed tokens.
+MIN_EXPERT_TOKENS = 16
 
 
 def is_quantized(module: str) -> bool:
-    return bool(QUANTIZED.search(module)) and not KEPT.match(module)
+    return bool(QUANTIZED.search(module)) and not OUTSIDE_TEXT_MODEL.match(module)
+
 ALPHAS = (0.0, 0.25, 0.5, 0.75)
 # Inputs that come straight from an RMSNorm, whose weight can absorb 1/s
 # (dense decoder layers; MoE experts share their norm with the router).
@@ -56,8 +60,6 @@ NORM_OF = {"self_attn": "input_layernorm", "mlp": "post_attention_layernorm"}
 # A dense or shared-expert MLP's down_proj: up_proj's rows absorb 1/s (routed
 # experts' down projections have no importance statistics of their own).
 ROW_FOLDABLE = re.compile(r"^(.*\.layers\.\d+\.mlp(?:\.shared_expert)?)\.down_proj$")
-# An expert's projections that read its MoE block's input (group 1: the block).
-EXPERT_INPUT = re.compile(r"^(.*)\.experts\.\d+\.(gate_proj|up_proj)$")
 
 
 def norm_for(linear_name: str) -> str:
@@ -113,15 +115,15 @@ def choose_scale(weights: dict[str, torch.Tensor], stats: ChannelStats, quant_de
     return best
 
 
-def expert_input_stats(linear_name: str) -> str | None:
-    """For a routed expert's gate/up projection, the MoE block whose input statistics it is fitted on."""
-    match = EXPERT_INPUT.match(linear_name)
-    return match.group(1) if match else None
-
-
 def moe_blocks(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """Sparse MoE blocks (a module holding `experts`), outside what stays unquantized."""
-    return {n: m for n, m in model.named_modules() if hasattr(m, "experts") and not KEPT.match(n)}
+    return {n: m for n, m in model.named_modules() if hasattr(m, "experts") and not OUTSIDE_TEXT_MODEL.match(n)}
+
+
+def stacked_experts(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Routed experts kept as 3-D parameters (transformers 5.x: gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
+    return {n: m for n, m in model.named_modules()
+            if getattr(getattr(m, "gate_up_proj", None), "ndim", 0) == 3 and not OUTSIDE_TEXT_MODEL.match(n)}
 
 
 def groups(names: list[str]) -> dict[str, list[str]]:
@@ -156,22 +158,42 @@ def collect(model: torch.nn.Module, token_ids: torch.Tensor, seq_len: int = 512,
     # q/k/v (and gate/up) read the same input tensor: its x^T x is computed once
     last_gram: dict[str, torch.Tensor] = {}
 
-    def record(_mod, args, _out, name, gram):
-        x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+    def add(name: str, x: torch.Tensor, gram: torch.Tensor | None = None) -> ChannelStats:
         st = stats.setdefault(name, ChannelStats(torch.zeros(x.shape[1]), torch.zeros(x.shape[1]),
-                                                 gram=torch.zeros(x.shape[1], x.shape[1]) if gram else None))
+                                                 gram=None if gram is None else torch.zeros_like(gram)))
         st.sq_sum += (x * x).sum(0)
         st.abs_sum += x.abs().sum(0)
         st.count += x.shape[0]
-        if gram:
-            if last_gram.get("input") is not args[0]:
-                last_gram.update(input=args[0], gram=x.T @ x)
-            st.gram += last_gram["gram"]
+        if gram is not None:
+            st.gram += gram
+        return st
+
+    def record(_mod, args, _out, name, gram):
+        x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+        if gram and last_gram.get("input") is not args[0]:
+            last_gram.update(input=args[0], gram=x.T @ x)
+        add(name, x, last_gram["gram"] if gram else None)
+
+    def record_experts(experts, args, _out, name):
+        """Each expert's inputs as the model routes them: gate/up read the tokens sent to it,
+        down_proj its own act(gate) * up."""
+        x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+        chosen = args[1].reshape(x.shape[0], -1)
+        for e in chosen.unique().tolist():
+            if e >= experts.gate_up_proj.shape[0]:  # transformers' marker of a dropped slot
+                continue
+            routed = x[(chosen == e).any(-1)]
+            gate_up = add(f"{name}.{e}.gate_proj", routed)
+            stats[f"{name}.{e}.up_proj"] = gate_up  # one input, one record
+            gate, up = torch.nn.functional.linear(routed, experts.gate_up_proj[e].float()).chunk(2, dim=-1)
+            add(f"{name}.{e}.down_proj", experts.act_fn(gate) * up)
 
     hooks = [module.register_forward_hook(functools.partial(record, name=name, gram=hessians))
              for name, module in quantized_linears(model).items()]
     hooks += [module.register_forward_hook(functools.partial(record, name=name, gram=False))
               for name, module in moe_blocks(model).items()]
+    hooks += [module.register_forward_hook(functools.partial(record_experts, name=name))
+              for name, module in stacked_experts(model).items()]
     try:
         for start in tqdm(range(0, token_ids.numel(), seq_len), desc="calibrating", unit="window", leave=False):
             model(token_ids[start:start + seq_len].unsqueeze(0))
@@ -179,6 +201,27 @@ def collect(model: torch.nn.Module, token_ids: torch.Tensor, seq_len: int = 512,
         for h in hooks:
             h.remove()
     return stats
+
+
+def fill_expert_fallbacks(stats: dict[str, ChannelStats], model: torch.nn.Module) -> int:
+    """Give each routed expert that saw fewer than MIN_EXPERT_TOKENS tokens its MoE block's
+    statistics (gate/up: the block's input; down_proj: its experts' intermediate activations
+    pooled); -> how many experts fell back."""
+    fallbacks = 0
+    for name, experts in stacked_experts(model).items():
+        block = stats[name.rsplit(".", 1)[0]]
+        downs = [st for e in range(experts.gate_up_proj.shape[0]) if (st := stats.get(f"{name}.{e}.down_proj"))]
+        pooled = ChannelStats(sum(st.sq_sum for st in downs), sum(st.abs_sum for st in downs),
+                              sum(st.count for st in downs)) if downs else None
+        for e in range(experts.gate_up_proj.shape[0]):
+            own = stats.get(f"{name}.{e}.gate_proj")
+            if own is not None and own.count >= MIN_EXPERT_TOKENS:
+                continue
+            fallbacks += 1
+            stats[f"{name}.{e}.gate_proj"] = stats[f"{name}.{e}.up_proj"] = block
+            width = experts.down_proj.shape[-1]
+            stats[f"{name}.{e}.down_proj"] = pooled or ChannelStats(torch.ones(width), torch.ones(width), 1)
+    return fallbacks
 
 
 def load_text(path: Path) -> str:

@@ -24,8 +24,10 @@ column order on each linear's input Hessian, a3b_backend/quant/gptq.py; it won
 `make compare-quant` on its varied 128 x 512-token calibration text and lost on
 the licence texts alone); --rounding nearest keeps each fitted table's nearest
 entry, does better on one narrow text, and is the only choice without
-calibration. Routed experts keep nearest rounding on their MoE block's
-statistics. Then the quantized linears'
+calibration. Routed experts keep nearest rounding, fitted on their own
+statistics (the tokens the model routes to each, a3b_backend/quant/calibrate.py).
+Checkpoint and model names meet through one resolver (a3b_backend/quant/names.py),
+and a calibrated conversion refuses a linear calibration gave no statistics. Then the quantized linears'
 metadata (row scales and block codes) and the norms' AWQ scales are tuned end
 to end against the source model over the same text (--tune-epochs passes,
 a3b_backend/quant/tune.py; 0 skips it; routed experts stored stacked keep
@@ -55,6 +57,7 @@ from a3b_backend.quant import calibrate, checkpoint
 from a3b_backend.quant.checkpoint import COPIED_FILES, INPUT_SCALES_FILE, ROW_DIVISORS_FILE
 from a3b_backend.quant.format import A3BConfig, A3BWeight, QuantizationError, dequantize, quantize
 from a3b_backend.quant.gptq import quantize_gptq
+from a3b_backend.quant.names import OUTSIDE_TEXT_MODEL, TEXT_ONLY, Layout, LayoutError, layout_of
 from a3b_backend.quant.tune import TuneConfig, tune
 
 KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -120,9 +123,20 @@ def check_paths(src: Path, dst: Path) -> dict:
     return config
 
 
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What calibration hands the conversion, keyed by the loaded model's module names."""
+    linears: dict[str, LinearCalibration]
+    norm_scales: dict[str, torch.Tensor]  # per RMSNorm: the AWQ scale its weight divides by
+    experts_on_fallback: int = 0  # routed experts that saw too few tokens and took their block's statistics
+
+
+NO_CALIBRATION = Calibration({}, {})
+
+
 def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BConfig,
                           rounding: Rounding = "nearest", tune_config: TuneConfig = TuneConfig(),
-                          zero_centred_norms: bool = False) -> tuple[dict[str, LinearCalibration], dict]:
+                          zero_centred_norms: bool = False) -> Calibration:
     """Per-linear statistics, AWQ scales and tuned weights, and per-norm scales to divide by."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -130,6 +144,7 @@ def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BCo
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval().requires_grad_(False)
     ids = torch.tensor(tokenizer.encode(calibrate.load_text(text_path))[:tokens])
     stats = calibrate.collect(model, ids, hessians=rounding == "gptq")
+    experts_on_fallback = calibrate.fill_expert_fallbacks(stats, model)
     linears = calibrate.quantized_linears(model)
 
     def quant_dequant(_name, w, importance):
@@ -163,14 +178,19 @@ def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BCo
             per_norm[norm] = per_norm[norm] / gain
             for member in norm_groups[norm]:
                 per_linear[member] = dataclasses.replace(per_linear[member], scale=per_norm[norm])
-    return per_linear, per_norm
+    return Calibration(per_linear, per_norm, experts_on_fallback)
 
 
 def quantize_linear(name: str, tensor: torch.Tensor, config: A3BConfig,
-                    calibration: dict[str, LinearCalibration]) -> A3BWeight:
-    module = name.removesuffix(".weight")
-    found = calibration.get(module) or calibration.get(calibrate.expert_input_stats(module))
+                    calibration: dict[str, LinearCalibration], module: str | None = None) -> A3BWeight:
+    """`module`: the loaded model's name for the linear (default: the checkpoint's, `name` without
+    `.weight`). With calibration, a linear it gave no statistics is refused, never written as calibrated."""
+    module = module or name.removesuffix(".weight")
+    found = calibration.get(module)
     if found is None:
+        if calibration:
+            raise ConversionError(f"calibration gave no statistics for the linear {name} (module {module} of the "
+                                  f"loaded model): the checkpoint's names and the model's do not meet")
         return quantize(tensor.float(), config, name=name)
     if found.tuned is not None:
         return found.tuned
@@ -199,21 +219,22 @@ def fold_norm_scale(norm: torch.Tensor, scale: torch.Tensor, zero_centred: bool)
     return ((1 + w) / scale - 1 if zero_centred else w / scale).to(norm.dtype)
 
 
-def convert_tensor(name: str, tensor: torch.Tensor, config: A3BConfig, calibration: dict,
-                   norm_scales: dict, zero_centred_norms: bool = False) -> tuple[dict[str, torch.Tensor], int]:
-    """-> (output tensors, number of weights quantized)."""
-    module = name.removesuffix(".weight")
-    if tensor.ndim == 3 and STACKED_EXPERTS.search(name) and not calibrate.KEPT.match(name):
+def convert_tensor(name: str, tensor: torch.Tensor, config: A3BConfig, calibration: Calibration = NO_CALIBRATION,
+                   zero_centred_norms: bool = False, layout: Layout = TEXT_ONLY) -> tuple[dict[str, torch.Tensor], int]:
+    """A checkpoint tensor -> (output tensors, number of weights quantized)."""
+    checkpoint_module = name.removesuffix(".weight")
+    if tensor.ndim == 3 and STACKED_EXPERTS.search(name) and not OUTSIDE_TEXT_MODEL.match(name):
         out, count = {}, 0
         for expert_name, weight in per_expert(name, tensor).items():
-            tensors, n = convert_tensor(expert_name, weight, config, calibration, norm_scales, zero_centred_norms)
+            tensors, n = convert_tensor(expert_name, weight, config, calibration, zero_centred_norms, layout)
             out.update(tensors)
             count += n
         return out, count
-    if name.endswith(".weight") and tensor.ndim == 2 and calibrate.is_quantized(module):
-        return quantize_linear(name, tensor, config, calibration).tensors(name), tensor.numel()
-    if module in norm_scales:
-        return {name: fold_norm_scale(tensor, norm_scales[module], zero_centred_norms)}, 0
+    module = layout.module(checkpoint_module)
+    if name.endswith(".weight") and tensor.ndim == 2 and calibrate.is_quantized(checkpoint_module):
+        return quantize_linear(name, tensor, config, calibration.linears, module).tensors(name), tensor.numel()
+    if module in calibration.norm_scales:
+        return {name: fold_norm_scale(tensor, calibration.norm_scales[module], zero_centred_norms)}, 0
     return {name: tensor}, 0
 
 
@@ -224,25 +245,30 @@ def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | No
     model_config = check_paths(src, dst)
     rounding = rounding or ("nearest" if calibration_text is None else "gptq")
     zero_centred = model_config.get("model_type") in ZERO_CENTRED_NORMS
-    calibration, norm_scales = ({}, {})
+    calibration = NO_CALIBRATION
     if rounding == "gptq" and calibration_text is None:
         raise ConversionError("--rounding gptq needs --calibration-text (its Hessians come from calibration)")
+    shards = sorted(src.glob("*.safetensors"))
+    try:
+        layout = layout_of(name for shard in shards for name in _names(shard))
+    except LayoutError as exc:
+        raise ConversionError(f"{src}: {exc}") from None
     if calibration_text is not None:
-        calibration, norm_scales = calibration_transform(src, calibration_text, calibration_tokens, config,
-                                                         rounding, tune_config, zero_centred)
+        calibration = calibration_transform(src, calibration_text, calibration_tokens, config, rounding, tune_config,
+                                            zero_centred)
     with checkpoint.building(dst) as partial:
-        shards = sorted(src.glob("*.safetensors"))
-        index, total, quantized_weights = {}, 0, 0
-        with tqdm(total=sum(_count(s) for s in shards), desc="quantizing", unit="tensor") as bar:
+        index, total, quantized_weights, linears = {}, 0, 0, 0
+        with tqdm(total=sum(len(_names(s)) for s in shards), desc="quantizing", unit="tensor") as bar:
             for shard in shards:
                 out: dict[str, torch.Tensor] = {}
                 with safe_open(shard, "pt") as f:
                     for name in f.keys():
-                        tensors, n = convert_tensor(name, f.get_tensor(name), config, calibration, norm_scales,
-                                                    zero_centred)
+                        tensors, n = convert_tensor(name, f.get_tensor(name), config, calibration, zero_centred,
+                                                    layout)
                         out.update(tensors)
                         quantized_weights += n
                         bar.update()
+                linears += sum(k.endswith("_packed") for k in out)
                 save_file(out, partial / shard.name, metadata={"format": "pt"})
                 index.update({k: shard.name for k in out})
                 total += sum(t.numel() * t.element_size() for t in out.values())
@@ -255,10 +281,12 @@ def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | No
             **config.to_json(), "calibrated": calibration_text is not None, "rounding": rounding,
             "tuned_epochs": tune_config.epochs if calibration_text is not None else 0,
             "quantized_layers": calibrate.QUANTIZED.pattern,
+            **({"experts_on_fallback": calibration.experts_on_fallback} if calibration_text is not None else {}),
         }
         (partial / "config.json").write_text(json.dumps(model_config, indent=2))
         for path, field in ((INPUT_SCALES_FILE, "scale"), (ROW_DIVISORS_FILE, "row_divisor")):
-            kept = {module: getattr(c, field) for module, c in calibration.items() if getattr(c, field) is not None}
+            kept = {module: getattr(c, field) for module, c in calibration.linears.items()
+                    if getattr(c, field) is not None}
             if kept:
                 (partial / path).parent.mkdir(exist_ok=True)
                 # clones: the linears of one norm share its scale, and safetensors refuses shared storage
@@ -266,12 +294,16 @@ def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | No
         for fname in COPIED_FILES:
             if (src / fname).exists():
                 shutil.copy2(src / fname, partial / fname)
+    print(f"{dst}: {linears} linears quantized ({quantized_weights / 1e6:.1f} M weights), "
+          + (f"each on its own calibration statistics ({layout.name} layout); {calibration.experts_on_fallback} "
+             f"routed experts saw fewer than {calibrate.MIN_EXPERT_TOKENS} tokens and took their MoE block's"
+             if calibration_text is not None else "uncalibrated"))
     return dst
 
 
-def _count(shard: Path) -> int:
+def _names(shard: Path) -> list[str]:
     with safe_open(shard, "pt") as f:
-        return len(list(f.keys()))
+        return list(f.keys())
 
 
 def main(argv: list[str] | None = None) -> int:
