@@ -23,7 +23,7 @@ setup:
 model: setup
 	$(PY) -m a3b_backend.prepare.smollm2 --out $(MODEL_DIR)
 	test -d $(MODEL_DIR)-a3b || $(PY) -m a3b_backend.quant.convert $(MODEL_DIR) $(MODEL_DIR)-a3b \
-	  --calibration-text /usr/share/common-licenses/GPL-3 --calibration-tokens 8192 --rounding nearest
+	  --calibration-text /usr/share/common-licenses/GPL-3 --calibration-tokens 7658 --rounding nearest
 
 # Qwen3.6-35B-A3B's architecture at toy width, random weights, and its A3B
 # conversion: the `qwen-tiny` profile's model (A3B_PROFILE=qwen-tiny make serve).

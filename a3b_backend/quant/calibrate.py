@@ -145,15 +145,28 @@ def row_folds(names: list[str]) -> dict[str, str]:
     return out
 
 
-def quantized_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and is_quantized(n)}
+def quantized_linears(model: torch.nn.Module, prefix: str = "") -> dict[str, torch.nn.Linear]:
+    """The linears A3B quantizes, by name within `model` (`prefix`: the model's own name, for the pattern)."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and is_quantized(prefix + n)}
 
 
 @torch.no_grad()
 def collect(model: torch.nn.Module, token_ids: torch.Tensor, seq_len: int = 512,
             hessians: bool = False) -> dict[str, ChannelStats]:
     """Run the model over token_ids in windows of seq_len; input channel statistics per quantized
-    linear and per MoE block (with hessians=True, each linear's full E[x x^T] too)."""
+    linear, per MoE block and per routed expert (with hessians=True, each linear's full E[x x^T] too)."""
+    def run() -> None:
+        for start in tqdm(range(0, token_ids.numel(), seq_len), desc="calibrating", unit="window", leave=False):
+            model(token_ids[start:start + seq_len].unsqueeze(0))
+
+    return record(model, run, hessians)
+
+
+@torch.no_grad()
+def record(module: torch.nn.Module, run: Callable[[], object], hessians: bool = False,
+           prefix: str = "") -> dict[str, ChannelStats]:
+    """The statistics `collect` gathers, of `module`'s linears, MoE blocks and experts while `run()`
+    runs it; keys are their names within `module` after `prefix` (a decoder layer: its own name)."""
     stats: dict[str, ChannelStats] = {}
     # q/k/v (and gate/up) read the same input tensor: its x^T x is computed once
     last_gram: dict[str, torch.Tensor] = {}
@@ -168,7 +181,7 @@ def collect(model: torch.nn.Module, token_ids: torch.Tensor, seq_len: int = 512,
             st.gram += gram
         return st
 
-    def record(_mod, args, _out, name, gram):
+    def record_linear(_mod, args, _out, name, gram):
         x = args[0].detach().float().reshape(-1, args[0].shape[-1])
         if gram and last_gram.get("input") is not args[0]:
             last_gram.update(input=args[0], gram=x.T @ x)
@@ -188,27 +201,26 @@ def collect(model: torch.nn.Module, token_ids: torch.Tensor, seq_len: int = 512,
             gate, up = torch.nn.functional.linear(routed, experts.gate_up_proj[e].float()).chunk(2, dim=-1)
             add(f"{name}.{e}.down_proj", experts.act_fn(gate) * up)
 
-    hooks = [module.register_forward_hook(functools.partial(record, name=name, gram=hessians))
-             for name, module in quantized_linears(model).items()]
-    hooks += [module.register_forward_hook(functools.partial(record, name=name, gram=False))
-              for name, module in moe_blocks(model).items()]
-    hooks += [module.register_forward_hook(functools.partial(record_experts, name=name))
-              for name, module in stacked_experts(model).items()]
+    hooks = [m.register_forward_hook(functools.partial(record_linear, name=prefix + name, gram=hessians))
+             for name, m in quantized_linears(module, prefix).items()]
+    hooks += [m.register_forward_hook(functools.partial(record_linear, name=prefix + name, gram=False))
+              for name, m in moe_blocks(module).items()]
+    hooks += [m.register_forward_hook(functools.partial(record_experts, name=prefix + name))
+              for name, m in stacked_experts(module).items()]
     try:
-        for start in tqdm(range(0, token_ids.numel(), seq_len), desc="calibrating", unit="window", leave=False):
-            model(token_ids[start:start + seq_len].unsqueeze(0))
+        run()
     finally:
         for h in hooks:
             h.remove()
     return stats
 
 
-def fill_expert_fallbacks(stats: dict[str, ChannelStats], model: torch.nn.Module) -> int:
+def fill_expert_fallbacks(stats: dict[str, ChannelStats], model: torch.nn.Module, prefix: str = "") -> int:
     """Give each routed expert that saw fewer than MIN_EXPERT_TOKENS tokens its MoE block's
     statistics (gate/up: the block's input; down_proj: its experts' intermediate activations
-    pooled); -> how many experts fell back."""
+    pooled); -> how many experts fell back. `prefix`: as for `record`."""
     fallbacks = 0
-    for name, experts in stacked_experts(model).items():
+    for name, experts in ((prefix + n, m) for n, m in stacked_experts(model).items()):
         block = stats[name.rsplit(".", 1)[0]]
         downs = [st for e in range(experts.gate_up_proj.shape[0]) if (st := stats.get(f"{name}.{e}.down_proj"))]
         pooled = ChannelStats(sum(st.sq_sum for st in downs), sum(st.abs_sum for st in downs),

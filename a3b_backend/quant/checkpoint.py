@@ -19,16 +19,19 @@ COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.j
 
 
 @contextlib.contextmanager
-def building(dst: Path) -> Iterator[Path]:
-    """Yields an empty DST.partial to write into; on success it replaces DST (an
-    existing DST is removed), on any failure it is removed and DST left as it was."""
+def building(dst: Path, resume: bool = False) -> Iterator[Path]:
+    """Yields DST.partial to write into; on success it replaces DST (an existing DST is
+    removed). Without `resume` it starts empty and a failure removes it; with `resume` what
+    an interrupted run left there is kept, and stays after a failure for the next run."""
     partial = dst.with_name(dst.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    if not resume:
+        shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True, exist_ok=True)
     try:
         yield partial
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        if not resume:
+            shutil.rmtree(partial, ignore_errors=True)
         raise
     shutil.rmtree(dst, ignore_errors=True)
     os.replace(partial, dst)

@@ -134,35 +134,30 @@ class Calibration:
 NO_CALIBRATION = Calibration({}, {})
 
 
+def calibration_ids(src: Path, text_path: Path, tokens: int) -> torch.Tensor:
+    """The first `tokens` tokens of the calibration text, in the model's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(src).encode(calibrate.load_text(text_path))
+    if len(ids) < tokens:
+        raise ConversionError(f"calibration text {text_path} is {len(ids)} tokens; --calibration-tokens asks for "
+                              f"{tokens}: give a longer text or ask for at most {len(ids)}")
+    return torch.tensor(ids[:tokens])
+
+
 def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BConfig,
                           rounding: Rounding = "nearest", tune_config: TuneConfig = TuneConfig(),
                           zero_centred_norms: bool = False) -> Calibration:
     """Per-linear statistics, AWQ scales and tuned weights, and per-norm scales to divide by."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(src)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval().requires_grad_(False)
-    ids = torch.tensor(tokenizer.encode(calibrate.load_text(text_path))[:tokens])
+    ids = calibration_ids(src, text_path, tokens)
     stats = calibrate.collect(model, ids, hessians=rounding == "gptq")
     experts_on_fallback = calibrate.fill_expert_fallbacks(stats, model)
     linears = calibrate.quantized_linears(model)
-
-    def quant_dequant(_name, w, importance):
-        return dequantize(quantize(w, config, col_importance=importance), config)
-
-    per_linear = {name: LinearCalibration(st.importance, hessian=None if st.gram is None else st.hessian)
-                  for name, st in stats.items()}
-    per_norm = {}
+    per_linear, per_norm = awq_calibration(stats, {name: linear.weight for name, linear in linears.items()}, config)
     norm_groups = calibrate.groups(list(stats))
-    for norm, members in tqdm(norm_groups.items(), desc="searching AWQ scales", unit="group"):
-        scale = calibrate.choose_scale({m: linears[m].weight for m in members}, stats[members[0]], quant_dequant)
-        per_norm[norm] = scale
-        per_linear.update({m: dataclasses.replace(per_linear[m], scale=scale) for m in members})
-    for down, up in tqdm(calibrate.row_folds(list(stats)).items(), desc="searching down_proj AWQ scales",
-                         unit="layer"):
-        scale = calibrate.choose_scale({down: linears[down].weight}, stats[down], quant_dequant)
-        per_linear[down] = dataclasses.replace(per_linear[down], scale=scale)
-        per_linear[up] = dataclasses.replace(per_linear[up], row_divisor=scale)
     if tune_config.epochs > 0:
         student = copy.deepcopy(model)
         stored_dtype = AutoConfig.from_pretrained(src).dtype
@@ -179,6 +174,29 @@ def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BCo
             for member in norm_groups[norm]:
                 per_linear[member] = dataclasses.replace(per_linear[member], scale=per_norm[norm])
     return Calibration(per_linear, per_norm, experts_on_fallback)
+
+
+def awq_calibration(stats: dict[str, calibrate.ChannelStats], weights: dict[str, torch.Tensor], config: A3BConfig,
+                    progress: bool = True) -> tuple[dict[str, LinearCalibration], dict[str, torch.Tensor]]:
+    """Per-linear calibration from statistics, with the AWQ scales searched for each RMSNorm's group
+    and each MLP's down_proj (weights: the linears' float weights by module name); and the norms' scales."""
+    def quant_dequant(_name, w, importance):
+        return dequantize(quantize(w, config, col_importance=importance), config)
+
+    per_linear = {name: LinearCalibration(st.importance, hessian=None if st.gram is None else st.hessian)
+                  for name, st in stats.items()}
+    per_norm = {}
+    for norm, members in tqdm(calibrate.groups(list(stats)).items(), desc="searching AWQ scales", unit="group",
+                              disable=not progress):
+        scale = calibrate.choose_scale({m: weights[m] for m in members}, stats[members[0]], quant_dequant)
+        per_norm[norm] = scale
+        per_linear.update({m: dataclasses.replace(per_linear[m], scale=scale) for m in members})
+    for down, up in tqdm(calibrate.row_folds(list(stats)).items(), desc="searching down_proj AWQ scales",
+                         unit="layer", disable=not progress):
+        scale = calibrate.choose_scale({down: weights[down]}, stats[down], quant_dequant)
+        per_linear[down] = dataclasses.replace(per_linear[down], scale=scale)
+        per_linear[up] = dataclasses.replace(per_linear[up], row_divisor=scale)
+    return per_linear, per_norm
 
 
 def quantize_linear(name: str, tensor: torch.Tensor, config: A3BConfig,
@@ -319,11 +337,23 @@ def main(argv: list[str] | None = None) -> int:
                              "order; nearest (the default and only choice without)")
     parser.add_argument("--tune-epochs", type=int, default=TuneConfig.epochs,
                         help="passes over the calibration text tuning the metadata end to end (0: none)")
+    parser.add_argument("--pipeline", choices=("model", "layers"), default="model",
+                        help="model: calibrate with the whole model in memory (and tune end to end); layers: one "
+                             "decoder layer at a time in bounded memory, resumable, no tuning "
+                             "(a3b_backend/quant/sequential.py)")
     args = parser.parse_args(argv)
     try:
         config = A3BConfig(args.block_shape[0], args.block_shape[1], iterations=args.iterations)
-        convert(args.src, args.dst, config, args.calibration_text, args.calibration_tokens, args.rounding,
-                TuneConfig(epochs=args.tune_epochs))
+        if args.pipeline == "layers":
+            from a3b_backend.quant.sequential import convert_layers
+
+            if args.calibration_text is None:
+                raise ConversionError("--pipeline layers calibrates: it needs --calibration-text")
+            convert_layers(args.src, args.dst, config, args.calibration_text, args.calibration_tokens,
+                           args.rounding or "gptq")
+        else:
+            convert(args.src, args.dst, config, args.calibration_text, args.calibration_tokens, args.rounding,
+                    TuneConfig(epochs=args.tune_epochs))
     except (ConversionError, QuantizationError) as exc:
         print(f"a3b-quantize: error: {exc}", file=sys.stderr)
         return 2

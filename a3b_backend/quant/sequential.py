@@ -1,0 +1,349 @@
+"""Layer-sequential calibration and conversion (`a3b-quantize --pipeline layers`): the model
+converted one decoder layer at a time, in the memory of one layer plus the calibration
+activations, in the order llm-compressor's sequential pipeline, AutoRound and GPTQModel use.
+
+1. The model's skeleton is built on the meta device (no weights). The embedding alone is
+   read from the checkpoint and the calibration windows embedded; one pass with every
+   decoder layer replaced by a recorder keeps what the model hands each layer per window
+   (rotary cos/sin, masks, positions).
+2. Each decoder layer in turn: its tensors are read from the shards one at a time; the
+   cached hidden states run through it while its linears', MoE block's and routed experts'
+   statistics are recorded; AWQ scales are searched and every linear rounded; the layer's
+   tensors go to a shard of their own; the layer takes its quantized weights (`pass_on`
+   "quantized", as llm-compressor does by default; "float" keeps the source's) and the
+   windows run through it again, its outputs the next layer's inputs; then it is freed.
+3. The rest (embedding, final norm, lm_head, an MTP layer, a vision tower) is copied as stored.
+
+Resumable: after each layer, DST.partial holds its shard, the hidden states and the
+progress; the same command after an interruption continues with the next layer. No
+end-to-end tuning here (it needs the whole model): block-wise tuning is still to come.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import resource
+import time
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from a3b_backend.quant import calibrate, checkpoint
+from a3b_backend.quant.checkpoint import COPIED_FILES, INPUT_SCALES_FILE, ROW_DIVISORS_FILE
+from a3b_backend.quant.convert import (ZERO_CENTRED_NORMS, ConversionError, Rounding, awq_calibration,
+                                       calibration_ids, check_paths, fold_norm_scale, quantize_linear)
+from a3b_backend.quant.format import A3BConfig, dequantize
+from a3b_backend.quant.names import Layout, LayoutError, layout_of
+
+PassOn = Literal["quantized", "float"]
+LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+PROGRESS, ACTIVATIONS = "progress.json", "activations.pt"
+SEQ_LEN = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A safetensors checkpoint read one tensor at a time."""
+    path: Path
+    layout: Layout
+    shard_of: dict[str, Path]
+
+    @classmethod
+    def open(cls, path: Path) -> "Source":
+        shard_of = {}
+        for shard in sorted(path.glob("*.safetensors")):
+            with safe_open(shard, "pt") as f:
+                shard_of.update({name: shard for name in f.keys()})
+        try:
+            return cls(path, layout_of(shard_of), shard_of)
+        except LayoutError as exc:
+            raise ConversionError(f"{path}: {exc}") from None
+
+    def read(self, name: str) -> torch.Tensor:
+        with safe_open(self.shard_of[name], "pt") as f:
+            return f.get_tensor(name)
+
+    def layer_of(self, name: str) -> int | None:
+        module = self.layout.module(name)
+        match = LAYER.match(module) if module else None
+        return int(match[1]) if match else None
+
+
+class LayerInputs(torch.nn.Module):
+    """Stands in for a decoder layer: keeps what it is called with and passes the hidden states on."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[torch.Tensor, tuple, dict]] = []
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.calls.append((hidden_states, args, kwargs))
+        return hidden_states
+
+
+def skeleton(src: Path) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(src)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+def layer_inputs(model: torch.nn.Module, source: Source, windows: list[torch.Tensor]
+                 ) -> tuple[list[torch.Tensor], list[list[tuple[tuple, dict]]], list[torch.nn.Module]]:
+    """-> the embedded windows, per layer the arguments the model passes it per window, and
+    the model's (meta) layers, taken out of it."""
+    decoder = model.get_decoder()
+    layers = list(decoder.layers)
+    recorders = [LayerInputs() for _ in layers]
+    decoder.layers = torch.nn.ModuleList(recorders)
+    decoder.norm = torch.nn.Identity()
+    embed = decoder.get_input_embeddings()
+    embed_name = next(n for n, m in model.named_modules() if m is embed)
+    embed.to_empty(device="cpu")
+    embed.weight.data = source.read(source.layout.checkpoint(embed_name) + ".weight").float()
+    decoder.rotary_emb = type(decoder.rotary_emb)(config=decoder.config)
+    with torch.no_grad():
+        for ids in windows:
+            decoder(input_ids=ids.unsqueeze(0), use_cache=False)
+    hidden = [h for h, _, _ in recorders[0].calls]
+    return hidden, [[(args, kwargs) for _, args, kwargs in r.calls] for r in recorders], layers
+
+
+def load_layer(layer: torch.nn.Module, source: Source, index: int) -> tuple[torch.nn.Module, set[str]]:
+    """The (meta) layer with its tensors from the checkpoint in float32 -> (layer, the checkpoint
+    names read into its experts). Per-expert tensors are stacked where the module keeps them so."""
+    expected = set(layer.state_dict())
+    state, per_expert, expert_names = {}, {}, set()
+    for name in (n for n in source.shard_of if source.layer_of(n) == index):
+        key = LAYER.match(source.layout.module(name))[2]
+        match = PER_EXPERT.match(key)
+        if match and f"{match[1]}.gate_up_proj" in expected:
+            per_expert.setdefault(match[1], {})[(int(match[2]), match[3])] = name
+            expert_names.add(name)
+        else:
+            state[key] = source.read(name).float()
+            if ".experts." in key:
+                expert_names.add(name)
+    for experts, names in per_expert.items():
+        count = 1 + max(e for e, _ in names)
+        missing = [f"{experts}.{e}.{p}" for e in range(count) for p in ("gate_proj", "up_proj", "down_proj")
+                   if (e, p) not in names]
+        if missing:
+            raise ConversionError(f"{source.path}: layer {index} lacks expert tensors {missing[:3]}")
+        state[f"{experts}.gate_up_proj"] = torch.stack([
+            torch.cat([source.read(names[(e, "gate_proj")]), source.read(names[(e, "up_proj")])]).float()
+            for e in range(count)])
+        state[f"{experts}.down_proj"] = torch.stack([source.read(names[(e, "down_proj")]).float()
+                                                     for e in range(count)])
+    missing = sorted(expected - set(state))
+    if missing:
+        raise ConversionError(f"{source.path}: layer {index} has no tensor for "
+                              + ", ".join(source.layout.checkpoint(f"model.layers.{index}.{k}") for k in missing[:5])
+                              + " in its shards")
+    layer.to_empty(device="cpu")
+    layer.load_state_dict(state, strict=True)
+    return layer.requires_grad_(False), expert_names
+
+
+@torch.no_grad()
+def run_layer(layer: torch.nn.Module, hidden: list[torch.Tensor], calls: list[tuple[tuple, dict]]
+              ) -> list[torch.Tensor]:
+    outputs = []
+    for h, (args, kwargs) in zip(hidden, calls):
+        out = layer(h, *args, **kwargs)
+        outputs.append(out[0] if isinstance(out, tuple) else out)
+    return outputs
+
+
+@dataclasses.dataclass
+class LayerResult:
+    tensors: dict[str, torch.Tensor]
+    scales: dict[str, torch.Tensor]  # "scale:<module>" / "row_divisor:<module>": what the LoRA fold reads
+    experts_on_fallback: int
+    stats: dict[str, calibrate.ChannelStats]
+
+
+def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: list[torch.Tensor],
+                   calls: list[tuple[tuple, dict]], config: A3BConfig, rounding: Rounding, zero_centred: bool,
+                   expert_names: set[str], pass_on: PassOn) -> LayerResult:
+    """Calibrates and rounds one loaded layer; with pass_on "quantized" its weights become their
+    quantized values (in the source's scale) for the next layer's inputs."""
+    prefix = f"model.layers.{index}."
+    stats = calibrate.record(layer, lambda: run_layer(layer, hidden, calls), rounding == "gptq", prefix)
+    fallbacks = calibrate.fill_expert_fallbacks(stats, layer, prefix)
+    linears = calibrate.quantized_linears(layer, prefix)
+    per_linear, per_norm = awq_calibration(stats, {prefix + n: m.weight for n, m in linears.items()}, config,
+                                           progress=False)
+    out: dict[str, torch.Tensor] = {}
+
+    def quantized(module: str, weight: torch.Tensor) -> torch.Tensor:
+        name = source.layout.checkpoint(module) + ".weight"
+        q = quantize_linear(name, weight, config, per_linear, module)
+        out.update(q.tensors(name))
+        return per_linear[module].source(dequantize(q, config))
+
+    written = set()
+    for name, linear in linears.items():
+        deq = quantized(prefix + name, linear.weight)
+        written.add(source.layout.checkpoint(prefix + name) + ".weight")
+        if pass_on == "quantized":
+            linear.weight.data = deq
+    for name, experts in calibrate.stacked_experts(layer).items():
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        half = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            parts = [quantized(f"{prefix}{name}.{e}.{p}", w)
+                     for p, w in (("gate_proj", gate_up[e, :half]), ("up_proj", gate_up[e, half:]),
+                                  ("down_proj", down[e]))]
+            if pass_on == "quantized":
+                gate_up.data[e] = torch.cat(parts[:2])
+                down.data[e] = parts[2]
+    for name in (n for n in source.shard_of if source.layer_of(n) == index):
+        if name in written or name in expert_names:
+            continue
+        module = source.layout.module(name.removesuffix(".weight"))
+        tensor = source.read(name)
+        out[name] = fold_norm_scale(tensor, per_norm[module], zero_centred) if module in per_norm else tensor
+    scales = {f"{field}:{module}": getattr(c, field).clone() for module, c in per_linear.items()
+              for field in ("scale", "row_divisor") if getattr(c, field) is not None}
+    return LayerResult(out, scales, fallbacks, stats)
+
+
+def windows_of(src: Path, text_path: Path, tokens: int) -> list[torch.Tensor]:
+    """The calibration tokens in windows of SEQ_LEN, as the whole-model pipeline runs them."""
+    ids = calibration_ids(src, text_path, tokens)
+    return [ids[start:start + SEQ_LEN] for start in range(0, tokens, SEQ_LEN)]
+
+
+def fingerprint(src: Path, text_path: Path, tokens: int, config: A3BConfig, rounding: Rounding,
+                pass_on: PassOn) -> str:
+    """What an interrupted run must share with this one for its layers to be kept."""
+    digest = hashlib.sha256()
+    text = hashlib.sha256(text_path.read_bytes()).hexdigest()
+    for part in (str(src.resolve()), (src / "config.json").read_text(), text, tokens,
+                 json.dumps(config.to_json()), rounding, pass_on):
+        digest.update(str(part).encode())
+    return digest.hexdigest()
+
+
+def check_disk(src: Path, dst: Path) -> None:
+    """The output is at most the source's size (4-bit codes replace bf16 weights): refuse to start without it."""
+    needed = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    parent = dst.resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    free = os.statvfs(parent).f_bavail * os.statvfs(parent).f_frsize
+    if free < needed:
+        raise ConversionError(f"{parent} has {free / 2**30:.1f} GiB free; the conversion of {src} needs up to "
+                              f"{needed / 2**30:.1f} GiB (the source's size)")
+
+
+def _save_atomic(write, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Path, calibration_tokens: int = 2048,
+                   rounding: Rounding = "gptq", pass_on: PassOn = "quantized") -> Path:
+    model_config = check_paths(src, dst)
+    check_disk(src, dst)
+    source = Source.open(src)
+    zero_centred = model_config.get("model_type") in ZERO_CENTRED_NORMS
+    windows = windows_of(src, calibration_text, calibration_tokens)
+    model = skeleton(src)
+    hidden, calls, layers = layer_inputs(model, source, windows)
+    shards = len(layers) + 1
+    shard_name = "model-{:05d}-of-{:05d}.safetensors".format
+    stamp = fingerprint(src, calibration_text, calibration_tokens, config, rounding, pass_on)
+    partial = dst.with_name(dst.name + ".partial")
+    progress = json.loads((partial / PROGRESS).read_text()) if (partial / PROGRESS).exists() else None
+    resume = progress is not None and progress["fingerprint"] == stamp
+    if progress is not None and not resume:
+        print(f"{partial} holds an interrupted conversion with other inputs; starting over")
+    with checkpoint.building(dst, resume=True) as partial:
+        if not resume:
+            for stale in partial.iterdir():
+                stale.unlink()
+            progress = {"fingerprint": stamp, "layers_done": 0, "experts_on_fallback": 0, "seconds": []}
+        done = progress["layers_done"]
+        if done:
+            print(f"resuming {dst}: layers 0-{done - 1} of {len(layers)} were converted by an earlier run")
+            hidden = torch.load(partial / ACTIVATIONS)
+        bar = tqdm(range(done, len(layers)), desc="converting layers", unit="layer", initial=done, total=len(layers))
+        for index in bar:
+            started = time.perf_counter()
+            layer, expert_names = load_layer(layers[index], source, index)
+            result = quantize_layer(layer, index, source, hidden, calls[index], config, rounding, zero_centred,
+                                    expert_names, pass_on)
+            hidden = run_layer(layer, hidden, calls[index])
+            layers[index] = None  # freed
+            _save_atomic(lambda p: save_file(result.tensors, p, metadata={"format": "pt"}),
+                         partial / shard_name(index + 1, shards))
+            if result.scales:
+                _save_atomic(lambda p: save_file(result.scales, p), partial / f".scales-{index:05d}.safetensors")
+            _save_atomic(lambda p: torch.save(hidden, p), partial / ACTIVATIONS)
+            progress["layers_done"] = index + 1
+            progress["experts_on_fallback"] += result.experts_on_fallback
+            progress["seconds"].append(round(time.perf_counter() - started, 2))
+            _save_atomic(lambda p: p.write_text(json.dumps(progress)), partial / PROGRESS)
+            bar.set_postfix_str(f"peak RSS {peak_rss_gib():.1f} GiB")
+        _finish(source, partial, model_config, config, rounding, progress, shards, shard_name)
+    seconds = progress["seconds"]
+    print(f"{dst}: {len(layers)} layers, {sum(1 for _ in _packed(dst))} linears quantized, each on its own "
+          f"calibration statistics; {progress['experts_on_fallback']} routed experts took their MoE block's; "
+          f"peak RSS {peak_rss_gib():.2f} GiB; {sum(seconds) / max(len(seconds), 1):.1f} s per layer")
+    return dst
+
+
+def _finish(source: Source, partial: Path, model_config: dict, config: A3BConfig, rounding: Rounding,
+            progress: dict, shards: int, shard_name) -> None:
+    rest = {name: source.read(name) for name in source.shard_of if source.layer_of(name) is None}
+    save_file(rest, partial / shard_name(shards, shards), metadata={"format": "pt"})
+    weight_map = {}
+    for shard in sorted(partial.glob("model-*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            weight_map.update({name: shard.name for name in f.keys()})
+    total = sum(p.stat().st_size for p in partial.glob("model-*.safetensors"))
+    (partial / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    kept: dict[str, dict[str, torch.Tensor]] = {"scale": {}, "row_divisor": {}}
+    for part in sorted(partial.glob(".scales-*.safetensors")):
+        for key, tensor in load_file(part).items():
+            field, module = key.split(":", 1)
+            kept[field][module] = tensor
+        part.unlink()
+    for path, field in ((INPUT_SCALES_FILE, "scale"), (ROW_DIVISORS_FILE, "row_divisor")):
+        if kept[field]:
+            (partial / path).parent.mkdir(exist_ok=True)
+            save_file(kept[field], partial / path)
+    model_config["quantization_config"] = {
+        **config.to_json(), "calibrated": True, "rounding": rounding, "tuned_epochs": 0,
+        "quantized_layers": calibrate.QUANTIZED.pattern, "pipeline": "layers",
+        "experts_on_fallback": progress["experts_on_fallback"],
+    }
+    (partial / "config.json").write_text(json.dumps(model_config, indent=2))
+    for fname in COPIED_FILES:
+        if (source.path / fname).exists():
+            (partial / fname).write_bytes((source.path / fname).read_bytes())
+    for leftover in (PROGRESS, ACTIVATIONS):
+        with contextlib.suppress(FileNotFoundError):
+            (partial / leftover).unlink()
+
+
+def _packed(dst: Path):
+    index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    return (name for name in index if name.endswith("_packed"))
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -1,0 +1,132 @@
+"""Layer-sequential conversion (a3b_backend/quant/sequential.py) on tiny random checkpoints: the
+layer runner against the whole model, the checkpoint it writes, resuming, refusals."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_quant_convert import CONFIG, QWEN35, _dequantized_model, tensors, tiny
+
+from a3b_backend.prepare.qwen_tiny import real_layout
+from a3b_backend.quant import calibrate, sequential
+from a3b_backend.quant.convert import ConversionError, convert
+from a3b_backend.quant.tune import TuneConfig
+
+TEXT = "The quick brown fox jumps over the lazy dog. A lazy dog sleeps in the sun all day. " * 60
+
+
+@pytest.fixture
+def text(tmp_path) -> Path:
+    path = tmp_path / "calib.txt"
+    path.write_text(TEXT)
+    return path
+
+
+def checkpoint(tmp_path: Path, tokenizer, model_type: str, extra: dict, published: bool = False) -> Path:
+    src = tiny(tmp_path, model_type, vocab_size=len(tokenizer), **extra)
+    if published:  # Qwen3.6's released layout: model.language_model.*, stacked experts, an MTP layer
+        out = tmp_path / "published"
+        out.mkdir()
+        save_file(real_layout(tensors(src)), out / "model.safetensors", metadata={"format": "pt"})
+        (out / "config.json").write_text((src / "config.json").read_text())
+        src = out
+    tokenizer.save_pretrained(src)
+    return src
+
+
+@pytest.mark.parametrize("model_type, extra", [("llama", {}), ("qwen3_5_moe_text", QWEN35)])
+def test_layer_by_layer_statistics_equal_the_whole_models(tmp_path, tokenizer, text, model_type, extra):
+    """With float outputs passed on, each layer sees exactly what it sees inside the whole model."""
+    from transformers import AutoModelForCausalLM
+
+    src = checkpoint(tmp_path, tokenizer, model_type, extra)
+    windows = sequential.windows_of(src, text, 2 * sequential.SEQ_LEN)
+    whole = calibrate.collect(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval(),
+                              torch.cat(windows), seq_len=sequential.SEQ_LEN)
+    source = sequential.Source.open(src)
+    hidden, calls, layers = sequential.layer_inputs(sequential.skeleton(src), source, windows)
+    by_layer = {}
+    for index, meta_layer in enumerate(layers):
+        layer, _ = sequential.load_layer(meta_layer, source, index)
+        by_layer.update(calibrate.record(layer, lambda: sequential.run_layer(layer, hidden, calls[index]),
+                                         prefix=f"model.layers.{index}."))
+        hidden = sequential.run_layer(layer, hidden, calls[index])
+    assert set(by_layer) == set(whole)
+    for name, st in whole.items():
+        assert by_layer[name].count == st.count, name
+        torch.testing.assert_close(by_layer[name].importance, st.importance, rtol=1e-5, atol=1e-7)
+
+
+def test_layer_pipeline_writes_a_checkpoint_that_computes_what_the_source_does(tmp_path, tokenizer, text):
+    from transformers import AutoModelForCausalLM
+
+    src = checkpoint(tmp_path, tokenizer, "qwen3_5_moe_text", QWEN35, published=True)
+    dst = sequential.convert_layers(src, tmp_path / "layers", CONFIG, text, 512, rounding="nearest")
+    quantization = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert quantization["calibrated"] is True and quantization["pipeline"] == "layers"
+    got = tensors(dst)
+    whole = tensors(convert(src, tmp_path / "whole", CONFIG, calibration_text=text, calibration_tokens=512,
+                            rounding="nearest", tune_config=TuneConfig(epochs=0)))
+    assert set(got) == set(whole)  # the same tensors, names and layout as the whole-model pipeline
+    # the first layer saw the same inputs in both, so it is quantized alike
+    first = [n for n in whole if n.startswith("model.language_model.layers.0.") and n.endswith("_packed")]
+    assert first and all(torch.equal(got[n], whole[n]) for n in first)
+    assert not (dst / sequential.PROGRESS).exists() and not (dst / sequential.ACTIVATIONS).exists()
+    # tensors as the whole-model pipeline writes them, so its dequantizing loader reads them
+    text_only = tmp_path / "qwen3_5_moe_text"
+    ids = torch.tensor([tokenizer.encode("A lazy dog sleeps in the sun all day.")])
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(text_only, dtype=torch.float32)(ids).logits
+        relative = {}
+        for name, out in (("layers", dst), ("whole", tmp_path / "whole")):
+            renamed = tmp_path / f"{name}-text-only"
+            renamed.mkdir()
+            save_file({n.replace("model.language_model.", "model.", 1): t for n, t in tensors(out).items()
+                       if not n.startswith("mtp.")}, renamed / "model.safetensors")
+            (renamed / "config.json").write_text((out / "config.json").read_text())
+            relative[name] = float((_dequantized_model(renamed, text_only)(ids).logits - ref).norm() / ref.norm())
+    assert relative["layers"] < 0.2 and relative["layers"] < 1.5 * relative["whole"]
+
+
+def test_an_interrupted_conversion_resumes_from_the_next_layer(tmp_path, tokenizer, text, monkeypatch, capsys):
+    src = checkpoint(tmp_path, tokenizer, "llama", {})
+    reference = tensors(sequential.convert_layers(src, tmp_path / "reference", CONFIG, text, 512, "nearest"))
+    original = sequential.quantize_layer
+
+    def crash_at_layer_1(layer, index, *args, **kwargs):
+        if index == 1:
+            raise KeyboardInterrupt
+        return original(layer, index, *args, **kwargs)
+
+    monkeypatch.setattr(sequential, "quantize_layer", crash_at_layer_1)
+    with pytest.raises(KeyboardInterrupt):
+        sequential.convert_layers(src, tmp_path / "out", CONFIG, text, 512, "nearest")
+    assert not (tmp_path / "out").exists()
+    assert json.loads((tmp_path / "out.partial" / sequential.PROGRESS).read_text())["layers_done"] == 1
+    monkeypatch.setattr(sequential, "quantize_layer", original)
+    calls = []
+    monkeypatch.setattr(sequential, "load_layer", lambda layer, source, index: calls.append(index) or
+                        original_load(layer, source, index))
+    capsys.readouterr()
+    resumed = tensors(sequential.convert_layers(src, tmp_path / "out", CONFIG, text, 512, "nearest"))
+    assert "resuming" in capsys.readouterr().out and calls == [1]
+    assert set(resumed) == set(reference) and all(torch.equal(resumed[n], reference[n]) for n in reference)
+
+
+original_load = sequential.load_layer
+
+
+def test_refusals(tmp_path, tokenizer, text):
+    src = checkpoint(tmp_path, tokenizer, "llama", {})
+    with pytest.raises(ConversionError, match=r"calib.txt is \d+ tokens; --calibration-tokens asks for 100000"):
+        sequential.convert_layers(src, tmp_path / "out", CONFIG, text, 100000)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    kept = {n: t for n, t in tensors(src).items() if n != "model.layers.1.mlp.down_proj.weight"}
+    save_file(kept, broken / "model.safetensors")
+    (broken / "config.json").write_text((src / "config.json").read_text())
+    tokenizer.save_pretrained(broken)
+    with pytest.raises(ConversionError, match=r"layer 1 has no tensor for model\.layers\.1\.mlp\.down_proj"):
+        sequential.convert_layers(broken, tmp_path / "out2", CONFIG, text, 512, "nearest")
+    assert not (tmp_path / "out2").exists()
