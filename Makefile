@@ -10,7 +10,7 @@ ifeq ($(origin PROFILE),command line)
 $(error PROFILE=$(PROFILE) is not read: name the profile with A3B_PROFILE=$(PROFILE), as make serve does)
 endif
 
-.PHONY: setup model model-qwen serve test test-distributed test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust bench-overload bench-serving-path bench-serving-cpu bench-overhead bench-overhead-goal overhead-runs bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu profile-gpu kv-report quality quant-tools compare-quant clean
+.PHONY: setup model model-qwen serve test test-distributed test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust bench-overload bench-serving-path bench-serving-cpu bench-overhead bench-overhead-goal overhead-runs bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu profile-gpu kv-report quality quant-tools compare-quant bench-convert-scale clean
 
 setup:
 	bash scripts/setup.sh
@@ -26,10 +26,12 @@ model: setup
 	  --calibration-text /usr/share/common-licenses/GPL-3 --calibration-tokens 7658 --rounding nearest
 
 # Qwen3.6-35B-A3B's architecture at toy width, random weights, and its A3B
-# conversion: the `qwen-tiny` profile's model (A3B_PROFILE=qwen-tiny make serve).
+# conversion: the `qwen-tiny` profile's model (A3B_PROFILE=qwen-tiny make serve),
+# calibrated one decoder layer at a time, as the 35B model is (docs/quantization.md).
 model-qwen: setup
 	$(PY) -m a3b_backend.prepare.qwen_tiny --out $(QWEN_TINY_DIR)
-	test -d $(QWEN_TINY_DIR)-a3b || $(PY) -m a3b_backend.quant.convert $(QWEN_TINY_DIR) $(QWEN_TINY_DIR)-a3b
+	test -d $(QWEN_TINY_DIR)-a3b || $(PY) -m a3b_backend.quant.convert $(QWEN_TINY_DIR) $(QWEN_TINY_DIR)-a3b \
+	  --calibration-text /usr/share/common-licenses/GPL-3 --calibration-tokens 2048 --pipeline layers
 
 render: setup
 	$(PY) -m a3b_backend.deploy.repository
@@ -150,6 +152,11 @@ quant-tools:
 # from the same calibration text is there; times in docs/quantization.md)
 compare-quant: setup model quant-tools
 	$(PY) perf/quant_compare/compare.py
+
+# a3b-quantize --pipeline layers on random checkpoints of 2 and 4 layers at Qwen3.6-35B-A3B's real width:
+# peak RSS against layers, seconds per layer, rounding throughput, a 40-layer projection (perf/results/convert_scale/)
+bench-convert-scale: setup model-qwen
+	$(PY) perf/convert_scale.py
 
 # A3B kernels on a CUDA GPU: checks against the references, then timings (perf/results/gpu/)
 bench-gpu:

@@ -14,13 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from a3b_backend.prepare.qwen_tiny import FULL_SIZE
 from a3b_backend.profiles import MODEL_DIR_ENV, NODE_RANK_ENV, PROFILES, PROJECT_ROOT
 
 QWEN_TINY = PROJECT_ROOT / "models" / "qwen3.6-tiny-a3b"
-# Qwen3.6-35B-A3B's text config where qwen-tiny scales it down (a3b_backend/prepare/qwen_tiny.py)
-FULL_SIZE = dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
-                 linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256, moe_intermediate_size=512,
-                 shared_expert_intermediate_size=512, vocab_size=248320)
 GPU_PROFILES = sorted(name for name, p in PROFILES.items() if p.gpus_per_node)
 
 

@@ -63,6 +63,10 @@ TEXT_CONFIG = dict(
     vocab_size=151936, max_position_embeddings=262144, tie_word_embeddings=False, rms_norm_eps=1e-6,
     mtp_num_hidden_layers=1, dtype="bfloat16",
 )
+# Qwen3.6-35B-A3B's text config where TEXT_CONFIG scales it down (its published config.json)
+FULL_SIZE = dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+                 linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256, moe_intermediate_size=512,
+                 shared_expert_intermediate_size=512, vocab_size=248320)
 # Qwen3's special tokens, in id order from the end of the BPE ranks: the strings Qwen3.6 uses.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
                   "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",

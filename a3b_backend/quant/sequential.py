@@ -47,6 +47,8 @@ PassOn = Literal["quantized", "float"]
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 PROGRESS, ACTIVATIONS = "progress.json", "activations.pt"
+# What the conversion measured of itself (per layer: seconds of statistics, rounding, passing on; peak RSS).
+REPORT = "a3b/conversion.json"
 SEQ_LEN = 512
 
 
@@ -171,6 +173,7 @@ class LayerResult:
     scales: dict[str, torch.Tensor]  # "scale:<module>" / "row_divisor:<module>": what the LoRA fold reads
     experts_on_fallback: int
     stats: dict[str, calibrate.ChannelStats]
+    seconds: dict[str, float]  # statistics (the layer's forward over the windows) and rounding (AWQ search included)
 
 
 def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: list[torch.Tensor],
@@ -179,7 +182,9 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
     """Calibrates and rounds one loaded layer; with pass_on "quantized" its weights become their
     quantized values (in the source's scale) for the next layer's inputs."""
     prefix = f"model.layers.{index}."
+    started = time.perf_counter()
     stats = calibrate.record(layer, lambda: run_layer(layer, hidden, calls), rounding == "gptq", prefix)
+    recorded = time.perf_counter()
     fallbacks = calibrate.fill_expert_fallbacks(stats, layer, prefix)
     linears = calibrate.quantized_linears(layer, prefix)
     per_linear, per_norm = awq_calibration(stats, {prefix + n: m.weight for n, m in linears.items()}, config,
@@ -216,7 +221,8 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
         out[name] = fold_norm_scale(tensor, per_norm[module], zero_centred) if module in per_norm else tensor
     scales = {f"{field}:{module}": getattr(c, field).clone() for module, c in per_linear.items()
               for field in ("scale", "row_divisor") if getattr(c, field) is not None}
-    return LayerResult(out, scales, fallbacks, stats)
+    seconds = {"statistics": recorded - started, "rounding": time.perf_counter() - recorded}
+    return LayerResult(out, scales, fallbacks, stats, seconds)
 
 
 def windows_of(src: Path, text_path: Path, tokens: int) -> list[torch.Tensor]:
@@ -274,7 +280,7 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
         if not resume:
             for stale in partial.iterdir():
                 stale.unlink()
-            progress = {"fingerprint": stamp, "layers_done": 0, "experts_on_fallback": 0, "seconds": []}
+            progress = {"fingerprint": stamp, "layers_done": 0, "experts_on_fallback": 0, "layers": []}
         done = progress["layers_done"]
         if done:
             print(f"resuming {dst}: layers 0-{done - 1} of {len(layers)} were converted by an earlier run")
@@ -285,6 +291,7 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
             layer, expert_names = load_layer(layers[index], source, index)
             result = quantize_layer(layer, index, source, hidden, calls[index], config, rounding, zero_centred,
                                     expert_names, pass_on)
+            passing_on = time.perf_counter()
             hidden = run_layer(layer, hidden, calls[index])
             layers[index] = None  # freed
             _save_atomic(lambda p: save_file(result.tensors, p, metadata={"format": "pt"}),
@@ -294,14 +301,17 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
             _save_atomic(lambda p: torch.save(hidden, p), partial / ACTIVATIONS)
             progress["layers_done"] = index + 1
             progress["experts_on_fallback"] += result.experts_on_fallback
-            progress["seconds"].append(round(time.perf_counter() - started, 2))
+            progress["layers"].append({**{k: round(v, 2) for k, v in result.seconds.items()},
+                                       "passing_on": round(time.perf_counter() - passing_on, 2),
+                                       "total": round(time.perf_counter() - started, 2),
+                                       "peak_rss_gib": round(peak_rss_gib(), 3)})
             _save_atomic(lambda p: p.write_text(json.dumps(progress)), partial / PROGRESS)
             bar.set_postfix_str(f"peak RSS {peak_rss_gib():.1f} GiB")
         _finish(source, partial, model_config, config, rounding, progress, shards, shard_name)
-    seconds = progress["seconds"]
-    print(f"{dst}: {len(layers)} layers, {sum(1 for _ in _packed(dst))} linears quantized, each on its own "
-          f"calibration statistics; {progress['experts_on_fallback']} routed experts took their MoE block's; "
-          f"peak RSS {peak_rss_gib():.2f} GiB; {sum(seconds) / max(len(seconds), 1):.1f} s per layer")
+    report = json.loads((dst / REPORT).read_text())
+    print(f"{dst}: {report['layers']} layers, {report['linears']} linears quantized, each on its own calibration "
+          f"statistics; {report['experts_on_fallback']} routed experts took their MoE block's; peak RSS "
+          f"{report['peak_rss_gib']:.2f} GiB; {report['seconds_per_layer']:.1f} s per layer ({REPORT})")
     return dst
 
 
@@ -335,14 +345,16 @@ def _finish(source: Source, partial: Path, model_config: dict, config: A3BConfig
     for fname in COPIED_FILES:
         if (source.path / fname).exists():
             (partial / fname).write_bytes((source.path / fname).read_bytes())
+    linears = sum(1 for name in weight_map if name.endswith("_packed"))
+    done = progress["layers"]
+    (partial / REPORT).parent.mkdir(exist_ok=True)
+    (partial / REPORT).write_text(json.dumps({
+        "layers": len(done), "linears": linears, "experts_on_fallback": progress["experts_on_fallback"],
+        "peak_rss_gib": round(peak_rss_gib(), 3), "seconds_per_layer": sum(d["total"] for d in done) / len(done),
+        "per_layer": done}, indent=1))
     for leftover in (PROGRESS, ACTIVATIONS):
         with contextlib.suppress(FileNotFoundError):
             (partial / leftover).unlink()
-
-
-def _packed(dst: Path):
-    index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
-    return (name for name in index if name.endswith("_packed"))
 
 
 def peak_rss_gib() -> float:
