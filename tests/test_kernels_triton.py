@@ -141,5 +141,10 @@ def test_vllm_a3b_gpu_path_runs_the_triton_kernels():
     ids = torch.tensor([[0, 3], [2, -1]])
     weights = torch.tensor([[0.7, 0.3], [0.6, 0.4]])
     x = torch.randn(2, 256, generator=g).to(torch.bfloat16)
-    torch.testing.assert_close(a3b_method.gpu_moe(x, w13, w2, weights, ids, CONFIG.block_cols),
-                               reference.a3b_moe(x, w13_list, w2_list, weights, ids, CONFIG), rtol=1e-3, atol=1e-3)
+    expected = reference.a3b_moe(x, w13_list, w2_list, weights, ids, CONFIG)
+    # Both round SiLU(gate) * up to bf16 between the two matmuls, and their fp32 sums differ in order, which
+    # flips that rounding by a bf16 step (2**-8 relative) now and then: over 80 seeds the largest difference
+    # was 4.8e-3 of the largest output (a fixed atol of 1e-3 failed about 1 run in 40), so the bound is two
+    # bf16 steps of the largest output.
+    torch.testing.assert_close(a3b_method.gpu_moe(x, w13, w2, weights, ids, CONFIG.block_cols), expected,
+                               rtol=1e-3, atol=2**-7 * expected.abs().max().item())
