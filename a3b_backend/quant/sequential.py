@@ -117,6 +117,7 @@ def layer_inputs(model: torch.nn.Module, source: Source, windows: list[torch.Ten
     with torch.no_grad():
         for ids in windows:
             decoder(input_ids=ids.unsqueeze(0), use_cache=False)
+    embed.to("meta")  # needed no more: ~2 GB at Qwen3.6's vocabulary in float32
     hidden = [h for h, _, _ in recorders[0].calls]
     return hidden, [[(args, kwargs) for _, args, kwargs in r.calls] for r in recorders], layers
 
@@ -152,8 +153,8 @@ def load_layer(layer: torch.nn.Module, source: Source, index: int) -> tuple[torc
         raise ConversionError(f"{source.path}: layer {index} has no tensor for "
                               + ", ".join(source.layout.checkpoint(f"model.layers.{index}.{k}") for k in missing[:5])
                               + " in its shards")
-    layer.to_empty(device="cpu")
-    layer.load_state_dict(state, strict=True)
+    # assign: the parameters become these tensors, so the layer is in memory once, not twice
+    layer.load_state_dict(state, strict=True, assign=True)
     return layer.requires_grad_(False), expert_names
 
 
