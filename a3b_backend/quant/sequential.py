@@ -47,9 +47,14 @@ PassOn = Literal["quantized", "float"]
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 PROGRESS, ACTIVATIONS = "progress.json", "activations.pt"
+SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors".format
+LAYER_SHARD = "layer-{:05d}.safetensors.part".format  # a layer's shard until the conversion is complete
+REST_SHARD_BYTES = 2**30
 # What the conversion measured of itself (per layer: seconds of statistics, rounding, passing on; peak RSS).
 REPORT = "a3b/conversion.json"
 SEQ_LEN = 512
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1,
+                     "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +78,12 @@ class Source:
     def read(self, name: str) -> torch.Tensor:
         with safe_open(self.shard_of[name], "pt") as f:
             return f.get_tensor(name)
+
+    def nbytes(self, name: str) -> int:
+        with safe_open(self.shard_of[name], "pt") as f:
+            piece = f.get_slice(name)
+            shape, dtype = piece.get_shape(), piece.get_dtype()
+        return torch.Size(shape).numel() * SAFETENSORS_BYTES[dtype]
 
     def layer_of(self, name: str) -> int | None:
         module = self.layout.module(name)
@@ -269,8 +280,6 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
     windows = windows_of(src, calibration_text, calibration_tokens)
     model = skeleton(src)
     hidden, calls, layers = layer_inputs(model, source, windows)
-    shards = len(layers) + 1
-    shard_name = "model-{:05d}-of-{:05d}.safetensors".format
     stamp = fingerprint(src, calibration_text, calibration_tokens, config, rounding, pass_on)
     partial = dst.with_name(dst.name + ".partial")
     progress = json.loads((partial / PROGRESS).read_text()) if (partial / PROGRESS).exists() else None
@@ -296,7 +305,7 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
             hidden = run_layer(layer, hidden, calls[index])
             layers[index] = None  # freed
             _save_atomic(lambda p: save_file(result.tensors, p, metadata={"format": "pt"}),
-                         partial / shard_name(index + 1, shards))
+                         partial / LAYER_SHARD(index))
             if result.scales:
                 _save_atomic(lambda p: save_file(result.scales, p), partial / f".scales-{index:05d}.safetensors")
             _save_atomic(lambda p: torch.save(hidden, p), partial / ACTIVATIONS)
@@ -308,7 +317,7 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
                                        "peak_rss_gib": round(peak_rss_gib(), 3)})
             _save_atomic(lambda p: p.write_text(json.dumps(progress)), partial / PROGRESS)
             bar.set_postfix_str(f"peak RSS {peak_rss_gib():.1f} GiB")
-        _finish(source, partial, model_config, config, rounding, progress, shards, shard_name)
+        _finish(source, partial, model_config, config, rounding, progress, len(layers))
     report = json.loads((dst / REPORT).read_text())
     print(f"{dst}: {report['layers']} layers, {report['linears']} linears quantized, each on its own calibration "
           f"statistics; {report['experts_on_fallback']} routed experts took their MoE block's; peak RSS "
@@ -316,10 +325,30 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
     return dst
 
 
+def rest_groups(source: Source, limit: int = REST_SHARD_BYTES) -> list[list[str]]:
+    """The tensors outside the decoder layers in groups of at most `limit` bytes (a larger one alone):
+    each group is read and written at once, so the embedding and lm_head are never in memory together."""
+    groups, size = [[]], 0
+    for name in sorted((n for n in source.shard_of if source.layer_of(n) is None), key=source.nbytes):
+        nbytes = source.nbytes(name)
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
 def _finish(source: Source, partial: Path, model_config: dict, config: A3BConfig, rounding: Rounding,
-            progress: dict, shards: int, shard_name) -> None:
-    rest = {name: source.read(name) for name in source.shard_of if source.layer_of(name) is None}
-    save_file(rest, partial / shard_name(shards, shards), metadata={"format": "pt"})
+            progress: dict, layers: int) -> None:
+    groups = rest_groups(source)
+    shards = layers + len(groups)
+    for group_index, names in enumerate(groups):
+        save_file({name: source.read(name) for name in names},
+                  partial / SHARD_NAME(layers + group_index + 1, shards), metadata={"format": "pt"})
+    for index in range(layers):  # named once the count of the rest's shards is known
+        if (partial / LAYER_SHARD(index)).exists():
+            (partial / LAYER_SHARD(index)).rename(partial / SHARD_NAME(index + 1, shards))
     weight_map = {}
     for shard in sorted(partial.glob("model-*.safetensors")):
         with safe_open(shard, "pt") as f:
