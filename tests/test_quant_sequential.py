@@ -130,3 +130,14 @@ def test_refusals(tmp_path, tokenizer, text):
     with pytest.raises(ConversionError, match=r"layer 1 has no tensor for model\.layers\.1\.mlp\.down_proj"):
         sequential.convert_layers(broken, tmp_path / "out2", CONFIG, text, 512, "nearest")
     assert not (tmp_path / "out2").exists()
+
+
+def test_the_rest_is_written_in_bounded_groups(tmp_path, tokenizer):
+    source = sequential.Source.open(checkpoint(tmp_path, tokenizer, "llama", {}))
+    rest = [n for n in source.shard_of if source.layer_of(n) is None]
+    assert sorted(rest) == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
+    assert sequential.rest_groups(source) == [sorted(rest, key=source.nbytes)]  # all of it under 1 GiB
+    embedding = source.nbytes("model.embed_tokens.weight")
+    assert embedding == source.read("model.embed_tokens.weight").nbytes
+    assert sequential.rest_groups(source, limit=embedding) == [["model.norm.weight"], ["lm_head.weight"],
+                                                              ["model.embed_tokens.weight"]]
