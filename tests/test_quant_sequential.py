@@ -1,5 +1,6 @@
 """Layer-sequential conversion (a3b_backend/quant/sequential.py) on tiny random checkpoints: the
 layer runner against the whole model, the checkpoint it writes, resuming, refusals."""
+import hashlib
 import json
 from pathlib import Path
 
@@ -65,6 +66,7 @@ def test_layer_pipeline_writes_a_checkpoint_that_computes_what_the_source_does(t
     dst = sequential.convert_layers(src, tmp_path / "layers", CONFIG, text, 512, rounding="nearest")
     quantization = json.loads((dst / "config.json").read_text())["quantization_config"]
     assert quantization["calibrated"] is True and quantization["pipeline"] == "layers"
+    assert quantization["calibration_text_sha256"] == hashlib.sha256(TEXT.encode()).hexdigest()
     got = tensors(dst)
     whole = tensors(convert(src, tmp_path / "whole", CONFIG, calibration_text=text, calibration_tokens=512,
                             rounding="nearest", tune_config=TuneConfig(epochs=0)))

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import hashlib
 import json
 import re
 import shutil
@@ -143,6 +144,12 @@ def calibration_ids(src: Path, text_path: Path, tokens: int) -> torch.Tensor:
         raise ConversionError(f"calibration text {text_path} is {len(ids)} tokens; --calibration-tokens asks for "
                               f"{tokens}: give a longer text or ask for at most {len(ids)}")
     return torch.tensor(ids[:tokens])
+
+
+def calibration_record(text_path: Path, tokens: int, experts_on_fallback: int) -> dict:
+    """What a calibrated checkpoint's config records of its calibration: the text by content (its sha256)."""
+    return {"calibration_text_sha256": hashlib.sha256(text_path.read_bytes()).hexdigest(),
+            "calibration_tokens": tokens, "experts_on_fallback": experts_on_fallback}
 
 
 def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BConfig,
@@ -299,7 +306,8 @@ def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | No
             **config.to_json(), "calibrated": calibration_text is not None, "rounding": rounding,
             "tuned_epochs": tune_config.epochs if calibration_text is not None else 0,
             "quantized_layers": calibrate.QUANTIZED.pattern,
-            **({"experts_on_fallback": calibration.experts_on_fallback} if calibration_text is not None else {}),
+            **(calibration_record(calibration_text, calibration_tokens, calibration.experts_on_fallback)
+               if calibration_text is not None else {}),
         }
         (partial / "config.json").write_text(json.dumps(model_config, indent=2))
         for path, field in ((INPUT_SCALES_FILE, "scale"), (ROW_DIVISORS_FILE, "row_divisor")):

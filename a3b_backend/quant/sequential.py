@@ -39,7 +39,8 @@ from tqdm import tqdm
 from a3b_backend.quant import calibrate, checkpoint
 from a3b_backend.quant.checkpoint import COPIED_FILES, INPUT_SCALES_FILE, ROW_DIVISORS_FILE
 from a3b_backend.quant.convert import (ZERO_CENTRED_NORMS, ConversionError, Rounding, awq_calibration,
-                                       calibration_ids, check_paths, fold_norm_scale, quantize_linear)
+                                       calibration_ids, calibration_record, check_paths, fold_norm_scale,
+                                       quantize_linear)
 from a3b_backend.quant.format import A3BConfig, dequantize
 from a3b_backend.quant.names import Layout, LayoutError, layout_of
 
@@ -317,7 +318,8 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
                                        "peak_rss_gib": round(peak_rss_gib(), 3)})
             _save_atomic(lambda p: p.write_text(json.dumps(progress)), partial / PROGRESS)
             bar.set_postfix_str(f"peak RSS {peak_rss_gib():.1f} GiB")
-        _finish(source, partial, model_config, config, rounding, progress, len(layers))
+        _finish(source, partial, model_config, config, rounding, progress, len(layers),
+                calibration_record(calibration_text, calibration_tokens, progress["experts_on_fallback"]))
     report = json.loads((dst / REPORT).read_text())
     print(f"{dst}: {report['layers']} layers, {report['linears']} linears quantized, each on its own calibration "
           f"statistics; {report['experts_on_fallback']} routed experts took their MoE block's; peak RSS "
@@ -340,7 +342,7 @@ def rest_groups(source: Source, limit: int = REST_SHARD_BYTES) -> list[list[str]
 
 
 def _finish(source: Source, partial: Path, model_config: dict, config: A3BConfig, rounding: Rounding,
-            progress: dict, layers: int) -> None:
+            progress: dict, layers: int, calibration: dict) -> None:
     groups = rest_groups(source)
     shards = layers + len(groups)
     for group_index, names in enumerate(groups):
@@ -368,8 +370,7 @@ def _finish(source: Source, partial: Path, model_config: dict, config: A3BConfig
             save_file(kept[field], partial / path)
     model_config["quantization_config"] = {
         **config.to_json(), "calibrated": True, "rounding": rounding, "tuned_epochs": 0,
-        "quantized_layers": calibrate.QUANTIZED.pattern, "pipeline": "layers",
-        "experts_on_fallback": progress["experts_on_fallback"],
+        "quantized_layers": calibrate.QUANTIZED.pattern, "pipeline": "layers", **calibration,
     }
     (partial / "config.json").write_text(json.dumps(model_config, indent=2))
     for fname in COPIED_FILES:
