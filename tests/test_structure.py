@@ -23,7 +23,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "a3b_backend.quant": BOTTOM,
     "a3b_backend.prepare": BOTTOM,
     # the LoRA files it renders (a3b_backend/serving/lora.py, no torch)
-    "a3b_backend.deploy": (*BOTTOM, "a3b_backend.serving.lora", "a3b_backend.serving.tensors"),
+    "a3b_backend.deploy": (*BOTTOM, "a3b_backend.serving.lora"),
     "a3b_backend.bench": ("a3b_backend",),
     "a3b_kernels": ("a3b_backend.quant.format",),
     "model_repository": (*BOTTOM, "a3b_backend.serving", "a3b_backend.engine"),
