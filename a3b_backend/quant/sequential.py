@@ -304,7 +304,9 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
                                     expert_names, pass_on)
             passing_on = time.perf_counter()
             hidden = run_layer(layer, hidden, calls[index])
-            layers[index] = None  # freed
+            passed_on = time.perf_counter() - passing_on
+            layers[index] = None
+            del layer  # before the next is loaded: one layer in memory at a time
             _save_atomic(lambda p: save_file(result.tensors, p, metadata={"format": "pt"}),
                          partial / LAYER_SHARD(index))
             if result.scales:
@@ -313,11 +315,12 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
             progress["layers_done"] = index + 1
             progress["experts_on_fallback"] += result.experts_on_fallback
             progress["layers"].append({**{k: round(v, 2) for k, v in result.seconds.items()},
-                                       "passing_on": round(time.perf_counter() - passing_on, 2),
+                                       "passing_on": round(passed_on, 2),
                                        "total": round(time.perf_counter() - started, 2),
                                        "peak_rss_gib": round(peak_rss_gib(), 3)})
             _save_atomic(lambda p: p.write_text(json.dumps(progress)), partial / PROGRESS)
             bar.set_postfix_str(f"peak RSS {peak_rss_gib():.1f} GiB")
+            result = None  # its tensors, written
         _finish(source, partial, model_config, config, rounding, progress, len(layers),
                 calibration_record(calibration_text, calibration_tokens, progress["experts_on_fallback"]))
     report = json.loads((dst / REPORT).read_text())
