@@ -27,6 +27,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import time
 from pathlib import Path
 from typing import Literal
@@ -289,8 +290,8 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
         print(f"{partial} holds an interrupted conversion with other inputs; starting over")
     with checkpoint.building(dst, resume=True) as partial:
         if not resume:
-            for stale in partial.iterdir():
-                stale.unlink()
+            shutil.rmtree(partial)
+            partial.mkdir()
             progress = {"fingerprint": stamp, "layers_done": 0, "experts_on_fallback": 0, "layers": []}
         done = progress["layers_done"]
         if done:
