@@ -39,6 +39,15 @@ def test_requested_follows_the_drain_file(tmp_path, monkeypatch):
     assert drain.requested()
 
 
+def test_refusal_puts_the_drain_before_the_engines_reason(tmp_path, monkeypatch):
+    path = tmp_path / "drain"
+    monkeypatch.setenv(drain.DRAIN_FILE_ENV, str(path))
+    assert drain.refusal(lambda: None) is None
+    assert drain.refusal(lambda: "server busy") == "server busy"
+    path.touch()
+    assert drain.refusal(lambda: "server busy") == drain.SHUTTING_DOWN
+
+
 def serve_counts(counts: list[int]) -> http.server.ThreadingHTTPServer:
     """A metrics endpoint whose in-flight count steps through `counts`, then stays at the last."""
 

@@ -18,6 +18,7 @@ import os
 import sys
 import time
 import urllib.request
+from typing import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -30,6 +31,11 @@ def requested() -> bool:
     """True once serve.sh has asked this server to drain."""
     path = os.environ.get(DRAIN_FILE_ENV)
     return bool(path) and os.path.exists(path)
+
+
+def refusal(engine_refusal: Callable[[], str | None]) -> str | None:
+    """Why a3b_llm refuses a new request now (retryable): the drain first, then the engine's own reason."""
+    return SHUTTING_DOWN if requested() else engine_refusal()
 
 
 def in_flight(metrics_text: str) -> int:

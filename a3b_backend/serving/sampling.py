@@ -190,10 +190,11 @@ class Limits:
     tool_parser: str | None = None
 
     @classmethod
-    def from_profile(cls, profile: Profile) -> "Limits":
+    def from_profile(cls, profile: Profile, vocab_size: int | None = None) -> "Limits":
+        """The profile's limits; `vocab_size` where the model is loaded (a3b_llm checks token ids against it)."""
         return cls(max_model_len=profile.max_model_len, default_max_tokens=profile.default_max_tokens,
                    max_stop_words=profile.max_stop_words, max_stop_word_chars=profile.max_stop_word_chars,
-                   reasoning_parser=profile.reasoning_parser, tool_parser=profile.tool_parser)
+                   vocab_size=vocab_size, reasoning_parser=profile.reasoning_parser, tool_parser=profile.tool_parser)
 
     @property
     def max_prompt_bytes(self) -> int:

@@ -4,7 +4,6 @@ from a3b_backend.serving import triton
 triton.use_utf8_locale()
 
 import asyncio  # noqa: E402
-import dataclasses  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
@@ -14,12 +13,12 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 
 from a3b_backend import contract  # noqa: E402
+from a3b_backend.engine.host import EngineHost  # noqa: E402
+from a3b_backend.profiles import get_profile  # noqa: E402
 from a3b_backend.serving import drain, lora, pacing  # noqa: E402
 from a3b_backend.serving.adapters import Adapters  # noqa: E402
-from a3b_backend.engine.host import EngineHost  # noqa: E402
 from a3b_backend.serving.llm import StepTracker, parse_llm_request, request_arrays, step_arrays  # noqa: E402
 from a3b_backend.serving.metrics import TritonMetrics  # noqa: E402
-from a3b_backend.profiles import get_profile  # noqa: E402
 from a3b_backend.serving.sampling import Limits  # noqa: E402
 from a3b_backend.serving.tensors import RequestError, string_value  # noqa: E402
 
@@ -37,7 +36,7 @@ class TritonPythonModel:
         listed = lora.read_config(Path(args["model_repository"]) / args["model_version"], root)
         self.lora_work_dir = tempfile.TemporaryDirectory(prefix="a3b-lora-")
         self.adapters = Adapters.prepare(listed, profile.resolve_model_dir(root), Path(self.lora_work_dir.name),
-                                              profile.max_lora_rank)
+                                         profile.max_lora_rank)
         self.host = EngineHost(
             profile.engine_args(root, enable_lora=bool(listed)),
             env=profile.engine_env(),
@@ -46,8 +45,7 @@ class TritonPythonModel:
             on_in_flight=self.metrics.in_flight,
             restart_needs=profile.restart_needs,
         )
-        vocab_size = self.host.engine.model_config.get_vocab_size()
-        self.limits = dataclasses.replace(Limits.from_profile(profile), vocab_size=vocab_size)
+        self.limits = Limits.from_profile(profile, vocab_size=self.host.engine.model_config.get_vocab_size())
         # for the reasoning / tool-call parsers, which run here (a3b_backend/serving/parsing.py)
         self.tokenizer = triton.load_tokenizer(args) if profile.parses_output else None
         self.cancel_polls = triton.PollSchedule()
@@ -61,7 +59,7 @@ class TritonPythonModel:
                     self.host.submit_abort(string_value(tensors, contract.ABORT_REQUEST_ID))
                     sender.send(flags=FINAL)
                     continue
-                refusal = drain.SHUTTING_DOWN if drain.requested() else self.host.refusal(self.max_in_flight)
+                refusal = drain.refusal(lambda: self.host.refusal(self.max_in_flight))
                 if refusal:
                     self.metrics.rejected()
                     sender.send(triton.unavailable_response(pb_utils, refusal), flags=FINAL)
