@@ -134,9 +134,19 @@ def test_refusals(tmp_path, tokenizer, text):
     assert not (tmp_path / "out2").exists()
 
 
+def test_too_little_disk_is_refused_before_anything_runs(tmp_path, tokenizer, text, monkeypatch):
+    import types
+
+    src = checkpoint(tmp_path, tokenizer, "llama", {})
+    monkeypatch.setattr(sequential.os, "statvfs", lambda _path: types.SimpleNamespace(f_bavail=1, f_frsize=4096))
+    with pytest.raises(ConversionError, match=r"GiB free; the conversion of .* needs up to"):
+        sequential.convert_layers(src, tmp_path / "out", CONFIG, text, 512, "nearest")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
 def test_the_rest_is_written_in_bounded_groups(tmp_path, tokenizer):
     source = sequential.Source.open(checkpoint(tmp_path, tokenizer, "llama", {}))
-    rest = [n for n in source.shard_of if source.layer_of(n) is None]
+    rest = source.by_layer[None]
     assert sorted(rest) == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
     assert sequential.rest_groups(source) == [sorted(rest, key=source.nbytes)]  # all of it under 1 GiB
     embedding = source.nbytes("model.embed_tokens.weight")

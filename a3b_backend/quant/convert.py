@@ -152,6 +152,35 @@ def calibration_record(text_path: Path, tokens: int, experts_on_fallback: int) -
             "calibration_tokens": tokens, "experts_on_fallback": experts_on_fallback}
 
 
+def quantization_config(config: A3BConfig, rounding: Rounding, tuned_epochs: int, calibration: dict | None,
+                        **extra) -> dict:
+    """A converted checkpoint's `quantization_config` (`calibration`: `calibration_record`'s, None uncalibrated)."""
+    return {**config.to_json(), "calibrated": calibration is not None, "rounding": rounding,
+            "tuned_epochs": tuned_epochs, "quantized_layers": calibrate.QUANTIZED.pattern, **(calibration or {}),
+            **extra}
+
+
+def folded_scales(linears: dict[str, LinearCalibration]) -> dict[str, dict[str, torch.Tensor]]:
+    """The AWQ scales folded into the checkpoint by kind ("scale", "row_divisor") and module (the LoRA fold
+    reads them)."""
+    return {field: {module: getattr(c, field) for module, c in linears.items() if getattr(c, field) is not None}
+            for field in ("scale", "row_divisor")}
+
+
+def write_side_files(src: Path, partial: Path, model_config: dict, quantization: dict,
+                     scales: dict[str, dict[str, torch.Tensor]]) -> None:
+    """What a converted checkpoint holds besides its weights: config.json, the folded scales, the tokenizer's files."""
+    (partial / "config.json").write_text(json.dumps({**model_config, "quantization_config": quantization}, indent=2))
+    for path, field in ((INPUT_SCALES_FILE, "scale"), (ROW_DIVISORS_FILE, "row_divisor")):
+        if scales[field]:
+            (partial / path).parent.mkdir(exist_ok=True)
+            # clones: the linears of one norm share its scale, and safetensors refuses shared storage
+            save_file({m: s.clone() for m, s in scales[field].items()}, partial / path)
+    for fname in COPIED_FILES:
+        if (src / fname).exists():
+            shutil.copy2(src / fname, partial / fname)
+
+
 def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BConfig,
                           rounding: Rounding = "nearest", tune_config: TuneConfig = TuneConfig(),
                           zero_centred_norms: bool = False) -> Calibration:
@@ -302,24 +331,12 @@ def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | No
         if len(shards) > 1:
             (partial / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1))
-        model_config["quantization_config"] = {
-            **config.to_json(), "calibrated": calibration_text is not None, "rounding": rounding,
-            "tuned_epochs": tune_config.epochs if calibration_text is not None else 0,
-            "quantized_layers": calibrate.QUANTIZED.pattern,
-            **(calibration_record(calibration_text, calibration_tokens, calibration.experts_on_fallback)
-               if calibration_text is not None else {}),
-        }
-        (partial / "config.json").write_text(json.dumps(model_config, indent=2))
-        for path, field in ((INPUT_SCALES_FILE, "scale"), (ROW_DIVISORS_FILE, "row_divisor")):
-            kept = {module: getattr(c, field) for module, c in calibration.linears.items()
-                    if getattr(c, field) is not None}
-            if kept:
-                (partial / path).parent.mkdir(exist_ok=True)
-                # clones: the linears of one norm share its scale, and safetensors refuses shared storage
-                save_file({m: s.clone() for m, s in kept.items()}, partial / path)
-        for fname in COPIED_FILES:
-            if (src / fname).exists():
-                shutil.copy2(src / fname, partial / fname)
+        calibrated = calibration_text is not None
+        quantization = quantization_config(
+            config, rounding, tune_config.epochs if calibrated else 0,
+            calibration_record(calibration_text, calibration_tokens, calibration.experts_on_fallback)
+            if calibrated else None)
+        write_side_files(src, partial, model_config, quantization, folded_scales(calibration.linears))
     print(f"{dst}: {linears} linears quantized ({quantized_weights / 1e6:.1f} M weights), "
           + (f"each on its own calibration statistics ({layout.name} layout); {calibration.experts_on_fallback} "
              f"routed experts saw fewer than {calibrate.MIN_EXPERT_TOKENS} tokens and took their MoE block's"

@@ -9,9 +9,9 @@ activations, in the order llm-compressor's sequential pipeline, AutoRound and GP
 2. Each decoder layer in turn: its tensors are read from the shards one at a time; the
    cached hidden states run through it while its linears', MoE block's and routed experts'
    statistics are recorded; AWQ scales are searched and every linear rounded; the layer's
-   tensors go to a shard of their own; the layer takes its quantized weights (`pass_on`
-   "quantized", as llm-compressor does by default; "float" keeps the source's) and the
-   windows run through it again, its outputs the next layer's inputs; then it is freed.
+   tensors go to a shard of their own; the layer takes its quantized weights and the windows
+   run through it again (as llm-compressor does by default), its outputs the next layer's
+   inputs; then it is freed.
 3. The rest (embedding, final norm, lm_head, an MTP layer, a vision tower) is copied as stored.
 
 Resumable: after each layer, DST.partial holds its shard, the hidden states and the
@@ -30,7 +30,6 @@ import resource
 import shutil
 import time
 from pathlib import Path
-from typing import Literal
 
 import torch
 from safetensors import safe_open
@@ -38,14 +37,12 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from a3b_backend.quant import calibrate, checkpoint
-from a3b_backend.quant.checkpoint import COPIED_FILES, INPUT_SCALES_FILE, ROW_DIVISORS_FILE
 from a3b_backend.quant.convert import (ZERO_CENTRED_NORMS, ConversionError, Rounding, awq_calibration,
                                        calibration_ids, calibration_record, check_paths, fold_norm_scale,
-                                       quantize_linear)
+                                       folded_scales, quantization_config, quantize_linear, write_side_files)
 from a3b_backend.quant.format import A3BConfig, dequantize
 from a3b_backend.quant.names import Layout, LayoutError, layout_of
 
-PassOn = Literal["quantized", "float"]
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 PROGRESS, ACTIVATIONS = "progress.json", "activations.pt"
@@ -65,6 +62,8 @@ class Source:
     path: Path
     layout: Layout
     shard_of: dict[str, Path]
+    # tensor names by decoder layer index; None: the rest (embedding, final norm, lm_head, MTP, vision)
+    by_layer: dict[int | None, list[str]]
 
     @classmethod
     def open(cls, path: Path) -> "Source":
@@ -73,9 +72,14 @@ class Source:
             with safe_open(shard, "pt") as f:
                 shard_of.update({name: shard for name in f.keys()})
         try:
-            return cls(path, layout_of(shard_of), shard_of)
+            layout = layout_of(shard_of)
         except LayoutError as exc:
             raise ConversionError(f"{path}: {exc}") from None
+        by_layer: dict[int | None, list[str]] = {None: []}
+        for name in shard_of:
+            match = LAYER.match(layout.module(name) or "")
+            by_layer.setdefault(int(match[1]) if match else None, []).append(name)
+        return cls(path, layout, shard_of, by_layer)
 
     def read(self, name: str) -> torch.Tensor:
         with safe_open(self.shard_of[name], "pt") as f:
@@ -86,11 +90,6 @@ class Source:
             piece = f.get_slice(name)
             shape, dtype = piece.get_shape(), piece.get_dtype()
         return torch.Size(shape).numel() * SAFETENSORS_BYTES[dtype]
-
-    def layer_of(self, name: str) -> int | None:
-        module = self.layout.module(name)
-        match = LAYER.match(module) if module else None
-        return int(match[1]) if match else None
 
 
 class LayerInputs(torch.nn.Module):
@@ -140,7 +139,7 @@ def load_layer(layer: torch.nn.Module, source: Source, index: int) -> tuple[torc
     names read into its experts). Per-expert tensors are stacked where the module keeps them so."""
     expected = set(layer.state_dict())
     state, per_expert, expert_names = {}, {}, set()
-    for name in (n for n in source.shard_of if source.layer_of(n) == index):
+    for name in source.by_layer.get(index, []):
         key = LAYER.match(source.layout.module(name))[2]
         match = PER_EXPERT.match(key)
         if match and f"{match[1]}.gate_up_proj" in expected:
@@ -186,15 +185,14 @@ class LayerResult:
     tensors: dict[str, torch.Tensor]
     scales: dict[str, torch.Tensor]  # "scale:<module>" / "row_divisor:<module>": what the LoRA fold reads
     experts_on_fallback: int
-    stats: dict[str, calibrate.ChannelStats]
     seconds: dict[str, float]  # statistics (the layer's forward over the windows) and rounding (AWQ search included)
 
 
 def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: list[torch.Tensor],
                    calls: list[tuple[tuple, dict]], config: A3BConfig, rounding: Rounding, zero_centred: bool,
-                   expert_names: set[str], pass_on: PassOn) -> LayerResult:
-    """Calibrates and rounds one loaded layer; with pass_on "quantized" its weights become their
-    quantized values (in the source's scale) for the next layer's inputs."""
+                   expert_names: set[str]) -> LayerResult:
+    """Calibrates and rounds one loaded layer; its weights become their quantized values (in the
+    source's scale) for the next layer's inputs."""
     prefix = f"model.layers.{index}."
     started = time.perf_counter()
     stats = calibrate.record(layer, lambda: run_layer(layer, hidden, calls), rounding == "gptq", prefix)
@@ -215,8 +213,7 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
     for name, linear in linears.items():
         deq = quantized(prefix + name, linear.weight)
         written.add(source.layout.checkpoint(prefix + name) + ".weight")
-        if pass_on == "quantized":
-            linear.weight.data = deq
+        linear.weight.data = deq
     for name, experts in calibrate.stacked_experts(layer).items():
         gate_up, down = experts.gate_up_proj, experts.down_proj
         half = gate_up.shape[1] // 2
@@ -224,19 +221,18 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
             parts = [quantized(f"{prefix}{name}.{e}.{p}", w)
                      for p, w in (("gate_proj", gate_up[e, :half]), ("up_proj", gate_up[e, half:]),
                                   ("down_proj", down[e]))]
-            if pass_on == "quantized":
-                gate_up.data[e] = torch.cat(parts[:2])
-                down.data[e] = parts[2]
-    for name in (n for n in source.shard_of if source.layer_of(n) == index):
+            gate_up.data[e] = torch.cat(parts[:2])
+            down.data[e] = parts[2]
+    for name in source.by_layer[index]:
         if name in written or name in expert_names:
             continue
         module = source.layout.module(name.removesuffix(".weight"))
         tensor = source.read(name)
         out[name] = fold_norm_scale(tensor, per_norm[module], zero_centred) if module in per_norm else tensor
-    scales = {f"{field}:{module}": getattr(c, field).clone() for module, c in per_linear.items()
-              for field in ("scale", "row_divisor") if getattr(c, field) is not None}
+    scales = {f"{field}:{module}": scale.clone()
+              for field, by_module in folded_scales(per_linear).items() for module, scale in by_module.items()}
     seconds = {"statistics": recorded - started, "rounding": time.perf_counter() - recorded}
-    return LayerResult(out, scales, fallbacks, stats, seconds)
+    return LayerResult(out, scales, fallbacks, seconds)
 
 
 def windows_of(src: Path, text_path: Path, tokens: int) -> list[torch.Tensor]:
@@ -245,13 +241,12 @@ def windows_of(src: Path, text_path: Path, tokens: int) -> list[torch.Tensor]:
     return [ids[start:start + SEQ_LEN] for start in range(0, tokens, SEQ_LEN)]
 
 
-def fingerprint(src: Path, text_path: Path, tokens: int, config: A3BConfig, rounding: Rounding,
-                pass_on: PassOn) -> str:
+def fingerprint(src: Path, text_path: Path, tokens: int, config: A3BConfig, rounding: Rounding) -> str:
     """What an interrupted run must share with this one for its layers to be kept."""
     digest = hashlib.sha256()
     text = hashlib.sha256(text_path.read_bytes()).hexdigest()
     for part in (str(src.resolve()), (src / "config.json").read_text(), text, tokens,
-                 json.dumps(config.to_json()), rounding, pass_on):
+                 json.dumps(config.to_json()), rounding):
         digest.update(str(part).encode())
     return digest.hexdigest()
 
@@ -274,7 +269,7 @@ def _save_atomic(write, path: Path) -> None:
 
 
 def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Path, calibration_tokens: int = 2048,
-                   rounding: Rounding = "gptq", pass_on: PassOn = "quantized") -> Path:
+                   rounding: Rounding = "gptq") -> Path:
     model_config = check_paths(src, dst)
     check_disk(src, dst)
     source = Source.open(src)
@@ -282,7 +277,7 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
     windows = windows_of(src, calibration_text, calibration_tokens)
     model = skeleton(src)
     hidden, calls, layers = layer_inputs(model, source, windows)
-    stamp = fingerprint(src, calibration_text, calibration_tokens, config, rounding, pass_on)
+    stamp = fingerprint(src, calibration_text, calibration_tokens, config, rounding)
     partial = dst.with_name(dst.name + ".partial")
     progress = json.loads((partial / PROGRESS).read_text()) if (partial / PROGRESS).exists() else None
     resume = progress is not None and progress["fingerprint"] == stamp
@@ -302,7 +297,7 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
             started = time.perf_counter()
             layer, expert_names = load_layer(layers[index], source, index)
             result = quantize_layer(layer, index, source, hidden, calls[index], config, rounding, zero_centred,
-                                    expert_names, pass_on)
+                                    expert_names)
             passing_on = time.perf_counter()
             hidden = run_layer(layer, hidden, calls[index])
             passed_on = time.perf_counter() - passing_on
@@ -335,7 +330,7 @@ def rest_groups(source: Source, limit: int = REST_SHARD_BYTES) -> list[list[str]
     """The tensors outside the decoder layers in groups of at most `limit` bytes (a larger one alone):
     each group is read and written at once, so the embedding and lm_head are never in memory together."""
     groups, size = [[]], 0
-    for name in sorted((n for n in source.shard_of if source.layer_of(n) is None), key=source.nbytes):
+    for name in sorted(source.by_layer[None], key=source.nbytes):
         nbytes = source.nbytes(name)
         if groups[-1] and size + nbytes > limit:
             groups.append([])
@@ -362,24 +357,14 @@ def _finish(source: Source, partial: Path, model_config: dict, config: A3BConfig
     total = sum(p.stat().st_size for p in partial.glob("model-*.safetensors"))
     (partial / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    kept: dict[str, dict[str, torch.Tensor]] = {"scale": {}, "row_divisor": {}}
+    scales: dict[str, dict[str, torch.Tensor]] = {"scale": {}, "row_divisor": {}}
     for part in sorted(partial.glob(".scales-*.safetensors")):
         for key, tensor in load_file(part).items():
             field, module = key.split(":", 1)
-            kept[field][module] = tensor
+            scales[field][module] = tensor
         part.unlink()
-    for path, field in ((INPUT_SCALES_FILE, "scale"), (ROW_DIVISORS_FILE, "row_divisor")):
-        if kept[field]:
-            (partial / path).parent.mkdir(exist_ok=True)
-            save_file(kept[field], partial / path)
-    model_config["quantization_config"] = {
-        **config.to_json(), "calibrated": True, "rounding": rounding, "tuned_epochs": 0,
-        "quantized_layers": calibrate.QUANTIZED.pattern, "pipeline": "layers", **calibration,
-    }
-    (partial / "config.json").write_text(json.dumps(model_config, indent=2))
-    for fname in COPIED_FILES:
-        if (source.path / fname).exists():
-            (partial / fname).write_bytes((source.path / fname).read_bytes())
+    write_side_files(source.path, partial, model_config,
+                     quantization_config(config, rounding, 0, calibration, pipeline="layers"), scales)
     linears = sum(1 for name in weight_map if name.endswith("_packed"))
     done = progress["layers"]
     (partial / REPORT).parent.mkdir(exist_ok=True)
