@@ -81,7 +81,7 @@ def quantize_rows(x: torch.Tensor, group: int, iterations: int = ITERATIONS) -> 
     codes assigned against the stored fp16 table."""
     n, dim = x.shape
     blocks = x.float().reshape(-1, group)
-    lo, step, d = fit_blocks(blocks, torch.ones_like(blocks), iterations)
+    lo, step, d = fit_blocks(blocks, torch.ones_like(blocks), iterations, delta_within_step=False)
     meta = torch.cat([lo, step, d], 1).to(torch.float16)
     lo, step, d = meta.float().unbind(1)
     k, plus = assign(blocks, lo[:, None], step[:, None], d[:, None])

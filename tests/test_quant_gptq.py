@@ -3,8 +3,8 @@ whose inputs are correlated (as real activations are)."""
 import pytest
 import torch
 
-from a3b_backend.quant.format import A3BConfig, check_shapes, dequantize, quantize
-from a3b_backend.quant.gptq import hessian_inverse_factor, quantize_gptq
+from a3b_backend.quant.format import KINDS, A3BConfig, check_shapes, dequantize, quantize
+from a3b_backend.quant.gptq import hessian_inverse_factor, quantize_gptq, quantize_gptq_stack
 
 CONFIG = A3BConfig(1, 128, iterations=4)
 
@@ -51,3 +51,24 @@ def test_dead_inputs_do_not_break_the_factorization():
     x[:, 5] = 0
     factor = hessian_inverse_factor(x.T @ x / 512)
     assert torch.isfinite(factor).all() and torch.equal(factor, factor.triu())
+
+
+def test_the_factor_is_the_upper_cholesky_factor_of_the_damped_inverse():
+    x = correlated_inputs(512, 96, 4)
+    hessian = x.T @ x / 512
+    factor = hessian_inverse_factor(hessian).double()
+    damped = hessian.double() + 0.01 * hessian.diagonal().double().mean() * torch.eye(96, dtype=torch.float64)
+    torch.testing.assert_close(factor.T @ factor, torch.linalg.inv(damped), rtol=1e-4, atol=1e-6)
+    assert torch.equal(factor, factor.triu()) and (factor.diagonal() > 0).all()
+
+
+@pytest.mark.parametrize("block", [(1, 128), (4, 64)])
+def test_rounding_experts_together_equals_rounding_each(block):
+    config = A3BConfig(*block, iterations=4)
+    weights = torch.randn(3, 32, 256)
+    hessians = torch.stack([(x := correlated_inputs(512, 256, seed)).T @ x / 512 for seed in range(3)])
+    together = quantize_gptq_stack(weights, config, hessians)
+    for e in range(3):
+        alone = quantize_gptq(weights[e], config, hessians[e])
+        for kind in KINDS:
+            assert torch.equal(getattr(together.expert(e), kind), getattr(alone, kind)), (e, kind)

@@ -198,8 +198,8 @@ def from_blocks(blocks: torch.Tensor, nbr: int, nbc: int, rows: int, cols: int) 
 
 def weighted_blocks(w: torch.Tensor, col_importance: torch.Tensor | None, block: tuple[int, int]
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [out, in] and its per-weight fit weights (col_importance[in], or 1) as blocks; the
-    padding of partial blocks weighs 0."""
+    """W [out, in] and its per-weight fit weights (col_importance [in] or per row [out, in], or 1)
+    as blocks; the padding of partial blocks weighs 0."""
     rows, cols = block
     out, inp = w.shape
     h_cols = torch.ones(inp) if col_importance is None else col_importance.detach().float().clamp_min(0) + 1e-8
@@ -224,31 +224,62 @@ def assign(values: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, delta: to
 Table = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (lo, step, delta), each [blocks, 1]
 
 
-def _refit(blocks: torch.Tensor, importance: torch.Tensor, level: torch.Tensor, plus: torch.Tensor,
-           table: Table) -> Table:
-    """Weighted least squares of (lo, step, delta) for fixed code assignments."""
+def _nearest(blocks: torch.Tensor, table: Table) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`assign` in units of the step, for the fit: (level, plus, the residual in steps)."""
+    lo, step, delta = table
+    inverse = 1 / step.clamp_min(TINY)
+    u = (blocks - lo) * inverse
+    d = delta * inverse
+    k_minus = (u + d).round_().clamp_(0, LEVELS - 1)
+    k_plus = (u - d).round_().clamp_(0, LEVELS - 1)
+    e_minus = u - k_minus + d
+    e_plus = u - k_plus - d
+    plus = e_plus.abs() < e_minus.abs()
+    return torch.where(plus, k_plus, k_minus), plus, torch.where(plus, e_plus, e_minus)
+
+
+def _error(importance: torch.Tensor, residual: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Each block's importance-weighted squared error, from `_nearest`'s residuals."""
+    return (importance * residual.square()).sum(1, keepdim=True) * step.square()
+
+
+def _refit(blocks: torch.Tensor, importance: torch.Tensor, level: torch.Tensor, plus: torch.Tensor, table: Table,
+           sums: tuple[torch.Tensor, torch.Tensor], delta_within_step: bool) -> Table:
+    """Weighted least squares of (lo, step, delta) for fixed code assignments; `sums`: the
+    assignment-free sums of importance and importance * value per block."""
     sign = plus.to(blocks.dtype) * 2 - 1
-    feats = torch.stack([torch.ones_like(blocks), level, sign], dim=-1)  # [nb, n, 3]
-    weighted = feats * importance.unsqueeze(-1)
-    gram = weighted.transpose(1, 2) @ feats + 1e-9 * torch.eye(3, dtype=blocks.dtype)
-    rhs = (weighted * blocks.unsqueeze(-1)).sum(1)
+    weighted_level, weighted_sign = importance * level, importance * sign
+    total, total_value = sums
+    gram = torch.stack([
+        torch.cat([total, weighted_level.sum(1, keepdim=True), weighted_sign.sum(1, keepdim=True)], 1),
+        torch.cat([weighted_level.sum(1, keepdim=True), (weighted_level * level).sum(1, keepdim=True),
+                   (weighted_level * sign).sum(1, keepdim=True)], 1),
+        torch.cat([weighted_sign.sum(1, keepdim=True), (weighted_level * sign).sum(1, keepdim=True), total], 1),
+    ], 1) + 1e-9 * torch.eye(3, dtype=blocks.dtype)
+    rhs = torch.cat([total_value, (weighted_level * blocks).sum(1, keepdim=True),
+                     (weighted_sign * blocks).sum(1, keepdim=True)], 1)
     sol, info = torch.linalg.solve_ex(gram, rhs)
     # Singular systems (constant blocks, a single code in use) keep their fit.
     ok = (info == 0).unsqueeze(-1) & torch.isfinite(sol).all(-1, keepdim=True) & (sol[:, 1:2] >= 0)
     lo, step, delta = table
-    return (torch.where(ok, sol[:, 0:1], lo), torch.where(ok, sol[:, 1:2], step),
-            torch.where(ok, sol[:, 2:3].abs(), delta))
+    fitted_delta = sol[:, 2:3].abs()
+    if delta_within_step:
+        fitted_delta = fitted_delta.minimum(sol[:, 1:2])
+    return (torch.where(ok, sol[:, 0:1], lo), torch.where(ok, sol[:, 1:2], step), torch.where(ok, fitted_delta, delta))
 
 
-def _block_error(blocks: torch.Tensor, importance: torch.Tensor, table: Table) -> torch.Tensor:
-    lo, step, delta = table
-    level, plus = assign(blocks, lo, step, delta)
-    value = lo + level * step + torch.where(plus, delta, -delta)
-    return (importance * (blocks - value) ** 2).sum(1, keepdim=True)
+def fit_blocks(blocks: torch.Tensor, importance: torch.Tensor, iterations: int, delta_within_step: bool = True
+               ) -> Table:
+    """Weighted Lloyd fit of (lo, step, delta) per row of blocks [nb, n]; importance >= 0.
 
+    delta_within_step: the weight format stores delta as a fraction of the step (uint8 / 255),
+    so each refit keeps delta <= step and every table judged is one the checkpoint holds (a
+    block with an outlier otherwise fits a larger delta, which storing cuts to the step). The
+    KV cache stores delta in fp16 and fits without the bound.
 
-def fit_blocks(blocks: torch.Tensor, importance: torch.Tensor, iterations: int) -> Table:
-    """Weighted Lloyd fit of (lo, step, delta) per row of blocks [nb, n]; importance >= 0."""
+    A block whose refit did not lower its error has converged (the same table gives the
+    same assignment, so the same refit): each iteration works on the blocks that improved
+    in the last, about half the work of refitting all of them every time."""
     live = importance > 0
     big = torch.finfo(blocks.dtype).max
     wmin = torch.where(live, blocks, torch.full_like(blocks, big)).amin(1, keepdim=True)
@@ -258,14 +289,25 @@ def fit_blocks(blocks: torch.Tensor, importance: torch.Tensor, iterations: int) 
     unit = (wmax - wmin) / (2 * LEVELS)
     # The uniform 16-level grid over [min, max] at bin centres = INT4 RTN.
     table = (wmin + unit, 2 * unit, unit / 2)
-    err = _block_error(blocks, importance, table)
+    level, plus, residual = _nearest(blocks, table)
+    err = _error(importance, residual, table[1])
+    active = torch.arange(blocks.shape[0])
+    current = table
+    sums = (importance.sum(1, keepdim=True), (importance * blocks).sum(1, keepdim=True))
     for _ in range(iterations):
-        level, plus = assign(blocks, *table)
-        candidate = _refit(blocks, importance, level, plus, table)
-        candidate_err = _block_error(blocks, importance, candidate)
-        better = candidate_err < err
-        table = tuple(torch.where(better, c, o) for c, o in zip(candidate, table))
-        err = torch.where(better, candidate_err, err)
+        candidate = _refit(blocks, importance, level, plus, current, sums, delta_within_step)
+        level, plus, residual = _nearest(blocks, candidate)
+        candidate_err = _error(importance, residual, candidate[1])
+        better = (candidate_err < err[active]).squeeze(1)
+        if not better.any():
+            break
+        active = active[better]
+        current = tuple(t[better] for t in candidate)
+        for full, value in zip(table, current):
+            full[active] = value
+        err[active] = candidate_err[better]
+        blocks, importance, level, plus = blocks[better], importance[better], level[better], plus[better]
+        sums = tuple(s[better] for s in sums)
     return table
 
 
@@ -291,9 +333,9 @@ def metadata_codes(table: Table, lo_scale: torch.Tensor, step_scale: torch.Tenso
 
 
 def table_params(weight: A3BWeight) -> Table:
-    """Per-block float (lo, step, delta), each [nbr, nbc]."""
-    lo = weight.lo.float() * weight.lo_scale.float()[:, None]
-    step = weight.step.float() * weight.step_scale.float()[:, None]
+    """Per-block float (lo, step, delta), each [nbr, nbc] (of a stack: [E, nbr, nbc])."""
+    lo = weight.lo.float() * weight.lo_scale.float()[..., None]
+    step = weight.step.float() * weight.step_scale.float()[..., None]
     delta = step * weight.delta.float() / 255
     return lo, step, delta
 
@@ -335,6 +377,22 @@ def quantize(weight: torch.Tensor, config: A3BConfig = A3BConfig(), col_importan
     # Padding codes are not stored: a partial last block costs only its metadata.
     q.packed = pack_codes(codes[:out, : inp + inp % 2])
     return q
+
+
+def quantize_stack(weights: torch.Tensor, config: A3BConfig = A3BConfig(),
+                   col_importance: torch.Tensor | None = None, name: str = "experts") -> A3BWeight:
+    """Same-shaped experts' W [E, out, in] -> their stacked A3B weight (`stack`'s layout), fitted in
+    one pass over all their blocks; col_importance [E, in]: each expert's own. Equal to quantizing
+    each expert alone: blocks never span two experts (out is a multiple of the block's rows,
+    else each is quantized alone)."""
+    experts, out, inp = weights.shape
+    if out % config.block_rows:
+        return stack([quantize(w, config, None if col_importance is None else col_importance[e], f"{name}.{e}")
+                      for e, w in enumerate(weights)])
+    rows = None if col_importance is None else col_importance[:, None, :].expand(experts, out, inp).reshape(-1, inp)
+    q = quantize(weights.reshape(experts * out, inp), config, rows, name=f"{name} (experts stacked along rows)")
+    return A3BWeight(*(getattr(q, kind).reshape(experts, -1, *getattr(q, kind).shape[1:]) for kind in KERNEL_KINDS),
+                     shape=torch.tensor([out, inp], dtype=torch.int32).repeat(experts, 1))
 
 
 def check_stored_shape(name: str, kind: Kind, shape: tuple[int, ...], weight_shape: tuple[int, int],
