@@ -261,18 +261,19 @@ def _sharded_parameter(kind: Kind, spec: StoredTensor, block_rows: int, loader) 
 
 
 def gpu_linear(x: torch.Tensor, weight: A3BWeight, config: A3BConfig) -> torch.Tensor:
-    """float32 x @ W^T by the Triton A3B kernel, W's codes read in place."""
-    from a3b_kernels.triton.a3b_matmul import a3b_matmul
+    """float32 x @ W^T by the Triton A3B kernel (the `a3b::gpu_linear` custom op), W's codes read in place."""
+    from a3b_kernels.triton import ops
 
-    return a3b_matmul(x, weight, config)
+    return ops.gpu_linear(x, *weight.kernel_tensors(), config.block_cols)
 
 
 def gpu_moe(x: torch.Tensor, w13: A3BWeight, w2: A3BWeight, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
             group: int) -> torch.Tensor:
-    """float32 routed-expert output by the grouped Triton A3B MoE kernel (ids < 0: another rank's)."""
-    from a3b_kernels.triton.a3b_moe import a3b_moe
+    """float32 routed-expert output by the grouped Triton A3B MoE kernel (the `a3b::gpu_moe` custom op;
+    ids < 0: another rank's)."""
+    from a3b_kernels.triton import ops
 
-    return a3b_moe(x, w13, w2, topk_weights, topk_ids, group)
+    return ops.gpu_moe(x, *w13.kernel_tensors(), *w2.kernel_tensors(), topk_weights, topk_ids, group)
 
 
 def check_stored_tensor(name: str, kind: Kind, loaded: torch.Tensor, weight_shape: tuple[int, int],

@@ -91,6 +91,17 @@ class ChannelStats:
         return self.abs_sum / max(self.count, 1)
 
 
+@dataclasses.dataclass
+class RoutedInputs:
+    """A stacked experts module's calls: the tokens [T, hidden] and the experts each chose [T, k]."""
+    hidden: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    chosen: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+    def tokens(self, expert: int) -> torch.Tensor:
+        """The tokens routed to `expert`, over every call."""
+        return torch.cat([x[(c == expert).any(-1)] for x, c in zip(self.hidden, self.chosen)])
+
+
 def awq_scale(stats: ChannelStats, alpha: float) -> torch.Tensor:
     s = stats.mean_abs.clamp_min(1e-5) ** alpha
     return s / (s.max() * s.min()).sqrt()
@@ -164,9 +175,10 @@ def collect(model: torch.nn.Module, token_ids: torch.Tensor, seq_len: int = 512,
 
 @torch.no_grad()
 def record(module: torch.nn.Module, run: Callable[[], object], hessians: bool = False,
-           prefix: str = "") -> dict[str, ChannelStats]:
+           prefix: str = "", routed: dict[str, RoutedInputs] | None = None) -> dict[str, ChannelStats]:
     """The statistics `collect` gathers, of `module`'s linears, MoE blocks and experts while `run()`
-    runs it; keys are their names within `module` after `prefix` (a decoder layer: its own name)."""
+    runs it; keys are their names within `module` after `prefix` (a decoder layer: its own name).
+    `routed`: filled with each stacked experts module's calls, by the same names."""
     stats: dict[str, ChannelStats] = {}
     # q/k/v (and gate/up) read the same input tensor: its x^T x is computed once
     last_gram: dict[str, torch.Tensor] = {}
@@ -192,13 +204,17 @@ def record(module: torch.nn.Module, run: Callable[[], object], hessians: bool = 
         down_proj its own act(gate) * up."""
         x = args[0].detach().float().reshape(-1, args[0].shape[-1])
         chosen = args[1].reshape(x.shape[0], -1)
+        if routed is not None:
+            calls = routed.setdefault(name, RoutedInputs())
+            calls.hidden.append(x)
+            calls.chosen.append(chosen)
         for e in chosen.unique().tolist():
             if e >= experts.gate_up_proj.shape[0]:  # transformers' marker of a dropped slot
                 continue
-            routed = x[(chosen == e).any(-1)]
-            gate_up = add(f"{name}.{e}.gate_proj", routed)
+            tokens = x[(chosen == e).any(-1)]
+            gate_up = add(f"{name}.{e}.gate_proj", tokens)
             stats[f"{name}.{e}.up_proj"] = gate_up  # one input, one record
-            gate, up = torch.nn.functional.linear(routed, experts.gate_up_proj[e].float()).chunk(2, dim=-1)
+            gate, up = torch.nn.functional.linear(tokens, experts.gate_up_proj[e].float()).chunk(2, dim=-1)
             add(f"{name}.{e}.down_proj", experts.act_fn(gate) * up)
 
     hooks = [m.register_forward_hook(functools.partial(record_linear, name=prefix + name, gram=hessians))

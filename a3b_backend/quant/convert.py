@@ -1,6 +1,7 @@
 """a3b-quantize: HF safetensors checkpoint -> A3B checkpoint, one tensor at a time.
 
-    a3b-quantize SRC_DIR DST_DIR [--block-shape R C] [--calibration-text FILE] [--rounding nearest|gptq]
+    a3b-quantize SRC_DIR DST_DIR [--block-shape R C] [--calibration-text FILE | --uncalibrated]
+                 [--calibration-tokens N] [--rounding nearest|gptq] [--pipeline model|layers]
 
 Linear weights of the decoder layers (attention, MLP, MoE experts, shared
 experts, Gated DeltaNet projections) become A3B tensors; embeddings, norms,
@@ -11,8 +12,12 @@ stacked (Qwen3.5/3.6's `mlp.experts.gate_up_proj` [E, 2I, H] and
 (`mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`), the layout vLLM's
 expert loaders and the `a3b` MoE method read. Tensors are
 read and written shard by shard, so memory holds one shard, not the model.
-With --calibration-text the source model is run once over that text (this
-needs it in memory) for activation statistics: importance-weighted fits for
+Calibrated by default: over the first --calibration-tokens (65,536) tokens of
+--calibration-text FILE, or of the built-in varied text (the licence texts and
+the installed Python packages' READMEs, calibrate.broad_calibration_text(); its
+sha256 follows the installed packages and is recorded in the checkpoint's
+config), the source model is run once (this needs it in memory; --pipeline
+layers needs one layer) for activation statistics: importance-weighted fits for
 every layer, AWQ scales (alpha searched per layer group) where they fold into
 an RMSNorm, and for each MLP's down_proj, folded into its up_proj's rows.
 Folding divides those layers' inputs by the scale, so the scales are kept
@@ -24,8 +29,10 @@ column order on each linear's input Hessian, a3b_backend/quant/gptq.py; it won
 `make compare-quant` on its varied 128 x 512-token calibration text and lost on
 the licence texts alone); --rounding nearest keeps each fitted table's nearest
 entry, does better on one narrow text, and is the only choice without
-calibration. Routed experts keep nearest rounding, fitted on their own
-statistics (the tokens the model routes to each, a3b_backend/quant/calibrate.py).
+calibration. Routed experts are fitted on their own statistics (the tokens
+the model routes to each, a3b_backend/quant/calibrate.py); here they keep
+nearest rounding, while --pipeline layers rounds each error-compensating on
+its own tokens where it saw enough (a3b_backend/quant/experts.py).
 Checkpoint and model names meet through one resolver (a3b_backend/quant/names.py),
 and a calibrated conversion refuses a linear calibration gave no statistics. Then the quantized linears'
 metadata (row scales and block codes) and the norms' AWQ scales are tuned end
@@ -39,6 +46,7 @@ complete, so a failed run never leaves a checkpoint that looks whole.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -46,8 +54,9 @@ import json
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Iterator, Literal, get_args
 
 import torch
 from safetensors import safe_open
@@ -349,17 +358,43 @@ def _names(shard: Path) -> list[str]:
         return list(f.keys())
 
 
+# 128 windows of 512: the budget llm-compressor's examples and `make compare-quant` calibrate on.
+DEFAULT_CALIBRATION_TOKENS = 128 * 512
+BUILT_IN_TEXT = "calibrate.broad_calibration_text()"
+
+
+@contextlib.contextmanager
+def calibration_file(path: Path | None, uncalibrated: bool) -> Iterator[Path | None]:
+    """The calibration text as a file: `path`, or the built-in varied text (the licence texts and the
+    installed packages' READMEs) written to a temporary one; None when asked for no calibration."""
+    if uncalibrated:
+        yield None
+        return
+    if path is not None:
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="a3b-calibration-") as tmp:
+        built_in = Path(tmp) / "broad_calibration_text.txt"
+        built_in.write_text(calibrate.broad_calibration_text(), encoding="utf-8")
+        yield built_in
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("src", type=Path)
     parser.add_argument("dst", type=Path)
     parser.add_argument("--block-shape", type=int, nargs=2, metavar=("R", "C"), default=(1, 128))
     parser.add_argument("--iterations", type=int, default=A3BConfig.iterations)
-    parser.add_argument("--calibration-text", type=Path, help="text file for activation-aware calibration")
-    parser.add_argument("--calibration-tokens", type=int, default=2048)
+    calibration = parser.add_mutually_exclusive_group()
+    calibration.add_argument("--calibration-text", type=Path,
+                             help=f"text file for activation-aware calibration (default: the built-in varied text, "
+                                  f"{BUILT_IN_TEXT}: the licence texts and the installed Python packages' READMEs)")
+    calibration.add_argument("--uncalibrated", action="store_true",
+                             help="no calibration: nearest rounding on each block's own weights (much worse)")
+    parser.add_argument("--calibration-tokens", type=int, default=DEFAULT_CALIBRATION_TOKENS)
     parser.add_argument("--rounding", choices=get_args(Rounding),
-                        help="gptq (the default with --calibration-text): error-compensating rounding in column "
-                             "order; nearest (the default and only choice without)")
+                        help="gptq (the default with calibration): error-compensating rounding in column "
+                             "order; nearest (the only choice with --uncalibrated)")
     parser.add_argument("--tune-epochs", type=int, default=TuneConfig.epochs,
                         help="passes over the calibration text tuning the metadata end to end (0: none)")
     parser.add_argument("--pipeline", choices=("model", "layers"), default="model",
@@ -369,16 +404,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = A3BConfig(args.block_shape[0], args.block_shape[1], iterations=args.iterations)
-        if args.pipeline == "layers":
-            from a3b_backend.quant.sequential import convert_layers
+        if args.pipeline == "layers" and args.uncalibrated:
+            raise ConversionError("--pipeline layers calibrates: it cannot run --uncalibrated")
+        with calibration_file(args.calibration_text, args.uncalibrated) as text:
+            if args.pipeline == "layers":
+                from a3b_backend.quant.sequential import convert_layers
 
-            if args.calibration_text is None:
-                raise ConversionError("--pipeline layers calibrates: it needs --calibration-text")
-            convert_layers(args.src, args.dst, config, args.calibration_text, args.calibration_tokens,
-                           args.rounding or "gptq")
-        else:
-            convert(args.src, args.dst, config, args.calibration_text, args.calibration_tokens, args.rounding,
-                    TuneConfig(epochs=args.tune_epochs))
+                convert_layers(args.src, args.dst, config, text, args.calibration_tokens, args.rounding or "gptq")
+            else:
+                convert(args.src, args.dst, config, text, args.calibration_tokens, args.rounding,
+                        TuneConfig(epochs=args.tune_epochs))
     except (ConversionError, QuantizationError) as exc:
         print(f"a3b-quantize: error: {exc}", file=sys.stderr)
         return 2

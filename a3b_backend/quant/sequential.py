@@ -21,6 +21,7 @@ end-to-end tuning here (it needs the whole model): block-wise tuning is still to
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import hashlib
 import json
@@ -37,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from a3b_backend.quant import calibrate, checkpoint
+from a3b_backend.quant.experts import round_experts
 from a3b_backend.quant.convert import (ZERO_CENTRED_NORMS, ConversionError, Rounding, awq_calibration,
                                        calibration_ids, calibration_record, check_paths, fold_norm_scale,
                                        folded_scales, quantization_config, quantize_linear, write_side_files)
@@ -52,6 +54,7 @@ REST_SHARD_BYTES = 2**30
 # What the conversion measured of itself (per layer: seconds of statistics, rounding, passing on; peak RSS).
 REPORT = "a3b/conversion.json"
 SEQ_LEN = 512
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1,
                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -185,6 +188,8 @@ class LayerResult:
     tensors: dict[str, torch.Tensor]
     scales: dict[str, torch.Tensor]  # "scale:<module>" / "row_divisor:<module>": what the LoRA fold reads
     experts_on_fallback: int
+    expert_projections_compensated: int  # rounded error-compensating on their own tokens (quant/experts.py)
+    expert_projections: int
     seconds: dict[str, float]  # statistics (the layer's forward over the windows) and rounding (AWQ search included)
 
 
@@ -195,7 +200,9 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
     source's scale) for the next layer's inputs."""
     prefix = f"model.layers.{index}."
     started = time.perf_counter()
-    stats = calibrate.record(layer, lambda: run_layer(layer, hidden, calls), rounding == "gptq", prefix)
+    routed: dict[str, calibrate.RoutedInputs] = {}
+    stats = calibrate.record(layer, lambda: run_layer(layer, hidden, calls), rounding == "gptq", prefix,
+                             routed if rounding == "gptq" else None)
     recorded = time.perf_counter()
     fallbacks = calibrate.fill_expert_fallbacks(stats, layer, prefix)
     linears = calibrate.quantized_linears(layer, prefix)
@@ -214,15 +221,13 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
         deq = quantized(prefix + name, linear.weight)
         written.add(source.layout.checkpoint(prefix + name) + ".weight")
         linear.weight.data = deq
+    compensated = projections = 0
     for name, experts in calibrate.stacked_experts(layer).items():
-        gate_up, down = experts.gate_up_proj, experts.down_proj
-        half = gate_up.shape[1] // 2
-        for e in range(gate_up.shape[0]):
-            parts = [quantized(f"{prefix}{name}.{e}.{p}", w)
-                     for p, w in (("gate_proj", gate_up[e, :half]), ("up_proj", gate_up[e, half:]),
-                                  ("down_proj", down[e]))]
-            gate_up.data[e] = torch.cat(parts[:2])
-            down.data[e] = parts[2]
+        rounded = round_experts(experts, prefix + name, lambda module: source.layout.checkpoint(module) + ".weight",
+                                stats, routed.get(prefix + name), config)
+        out.update(rounded.tensors)
+        compensated += rounded.error_compensated
+        projections += rounded.projections
     for name in source.by_layer[index]:
         if name in written or name in expert_names:
             continue
@@ -232,7 +237,7 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
     scales = {f"{field}:{module}": scale.clone()
               for field, by_module in folded_scales(per_linear).items() for module, scale in by_module.items()}
     seconds = {"statistics": recorded - started, "rounding": time.perf_counter() - recorded}
-    return LayerResult(out, scales, fallbacks, seconds)
+    return LayerResult(out, scales, fallbacks, compensated, projections, seconds)
 
 
 def windows_of(src: Path, text_path: Path, tokens: int) -> list[torch.Tensor]:
@@ -272,6 +277,7 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
                    rounding: Rounding = "gptq") -> Path:
     model_config = check_paths(src, dst)
     check_disk(src, dst)
+    _heap_returns_large_blocks()
     source = Source.open(src)
     zero_centred = model_config.get("model_type") in ZERO_CENTRED_NORMS
     windows = windows_of(src, calibration_text, calibration_tokens)
@@ -303,6 +309,7 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
             passed_on = time.perf_counter() - passing_on
             layers[index] = None
             del layer  # before the next is loaded: one layer in memory at a time
+            _trim_heap()
             _save_atomic(lambda p: save_file(result.tensors, p, metadata={"format": "pt"}),
                          partial / LAYER_SHARD(index))
             if result.scales:
@@ -311,6 +318,8 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
             progress["layers_done"] = index + 1
             progress["experts_on_fallback"] += result.experts_on_fallback
             progress["layers"].append({**{k: round(v, 2) for k, v in result.seconds.items()},
+                                       "expert_projections": result.expert_projections,
+                                       "expert_projections_compensated": result.expert_projections_compensated,
                                        "passing_on": round(passed_on, 2),
                                        "total": round(time.perf_counter() - started, 2),
                                        "peak_rss_gib": round(peak_rss_gib(), 3)})
@@ -321,7 +330,9 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
                 calibration_record(calibration_text, calibration_tokens, progress["experts_on_fallback"]))
     report = json.loads((dst / REPORT).read_text())
     print(f"{dst}: {report['layers']} layers, {report['linears']} linears quantized, each on its own calibration "
-          f"statistics; {report['experts_on_fallback']} routed experts took their MoE block's; peak RSS "
+          f"statistics; {report['experts_on_fallback']} routed experts took their MoE block's; "
+          f"{report['expert_projections_compensated']} of {report['expert_projections']} expert projections rounded "
+          f"error-compensating on their own tokens; peak RSS "
           f"{report['peak_rss_gib']:.2f} GiB; {report['seconds_per_layer']:.1f} s per layer ({REPORT})")
     return dst
 
@@ -370,11 +381,26 @@ def _finish(source: Source, partial: Path, model_config: dict, config: A3BConfig
     (partial / REPORT).parent.mkdir(exist_ok=True)
     (partial / REPORT).write_text(json.dumps({
         "layers": len(done), "linears": linears, "experts_on_fallback": progress["experts_on_fallback"],
+        **{key: sum(d[key] for d in done) for key in ("expert_projections", "expert_projections_compensated")},
         "peak_rss_gib": round(peak_rss_gib(), 3), "seconds_per_layer": sum(d["total"] for d in done) / len(done),
         "per_layer": done}, indent=1))
     for leftover in (PROGRESS, ACTIVATIONS):
         with contextlib.suppress(FileNotFoundError):
             (partial / leftover).unlink()
+
+
+def _heap_returns_large_blocks() -> None:
+    """Tensors of 1 MiB and more get pages of their own, handed back when freed. glibc otherwise
+    raises its mmap threshold to the largest block freed (up to 32 MiB), and a layer's
+    rounding frees thousands of 1-16 MiB temporaries that then fragment the heap it keeps."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 2**20)
+
+
+def _trim_heap() -> None:
+    """Give the heap's free pages back between layers, so each layer's peak is its own."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def peak_rss_gib() -> float:

@@ -186,8 +186,9 @@ def a3b_matmul(x: torch.Tensor, q: A3BWeight, config: A3BConfig, out: torch.Tens
     `split_k` override."""
     if config.block_rows != 1:
         raise ValueError(f"the Triton A3B kernel reads 1xC blocks, not {config.block_rows}x{config.block_cols}")
-    N, K = q.shape.tolist()
-    M = x.shape[0]
+    # from shapes, never from q.shape's values: no host read (FakeTensorMode, CUDA graphs)
+    M, K = x.shape
+    N = q.packed.shape[0]
     launch = launch or launch_for(M)
     n_kblocks = q.lo.shape[1]
     x = x.contiguous()

@@ -47,26 +47,30 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     """(sorted_rows, block_expert): routed rows grouped by expert, each group
     padded to block_m with the sentinel num_rows; the expert of every block of
     block_m rows, -1 past the last group. Ids < 0 (experts of another rank)
-    are left out. No host sync: sizes are upper bounds."""
+    are left out. No host sync and no data-dependent shape (it runs under CUDA
+    graphs and FakeTensorMode): every size is an upper bound known from the
+    shapes, and rows left out are counted in, and written to, a slot past the end."""
     ids = topk_ids.flatten().long()
     num_rows = ids.numel()
-    local = ids >= 0
-    counts = torch.bincount(ids[local], minlength=num_experts)
-    padded = (counts + block_m - 1) // block_m * block_m
+    binned = torch.where(ids >= 0, ids, num_experts)  # another rank's rows: bin num_experts, sorted last
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
+    counts.scatter_add_(0, binned, torch.ones_like(binned))
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     starts = ends - padded
     capacity = (num_rows + num_experts * (block_m - 1) + block_m - 1) // block_m * block_m
-    order = torch.argsort(torch.where(local, ids, num_experts), stable=True)
-    sorted_ids = ids[order]
-    keep = sorted_ids >= 0
-    first_of_expert = (counts.cumsum(0) - counts)[sorted_ids.clamp_min(0)]
-    position = starts[sorted_ids.clamp_min(0)] + torch.arange(num_rows, device=ids.device) - first_of_expert
-    sorted_rows = torch.full((capacity,), num_rows, dtype=torch.int32, device=ids.device)
-    sorted_rows[position[keep]] = order[keep].to(torch.int32)
+    order = torch.argsort(binned, stable=True)
+    sorted_bins = binned[order]
+    first_of_bin = counts.cumsum(0) - counts
+    local = sorted_bins < num_experts
+    position = torch.where(local, torch.cat([starts, starts.new_full((1,), capacity)])[sorted_bins]
+                           + torch.arange(num_rows, device=ids.device) - first_of_bin[sorted_bins], capacity)
+    sorted_rows = torch.full((capacity + 1,), num_rows, dtype=torch.int32, device=ids.device)
+    sorted_rows.scatter_(0, position, order.to(torch.int32))
     block_starts = torch.arange(0, capacity, block_m, device=ids.device)
     block_expert = torch.searchsorted(ends, block_starts, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return sorted_rows, block_expert
+    return sorted_rows[:capacity], block_expert
 
 
 def grouped_matmul(x: torch.Tensor, experts: A3BWeight, sorted_rows: torch.Tensor,

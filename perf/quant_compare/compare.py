@@ -7,8 +7,9 @@ Variants (checkpoints under models/quant_compare/, built once, with progress):
   bf16            the default model's checkpoint
   A3B             a3b-quantize's defaults (1x128 blocks, error-compensating rounding)
                   calibrated on the shared budget
+  A3B, no tuning  the same with --tune-epochs 0 (no end-to-end metadata tuning)
   A3B, nearest rounding  the same, each weight on its fitted table's nearest entry
-  A3B uncalibrated
+  A3B uncalibrated  --uncalibrated
   GPTQ W4A16 g64  llm-compressor GPTQModifier, symmetric (perf/quant_compare/peers.py)
   AWQ W4A16 g64   llm-compressor AWQModifier + QuantizationModifier, asymmetric
 each peer twice, once per kernel stock vLLM has for it on a CPU:
@@ -20,7 +21,8 @@ each peer twice, once per kernel stock vLLM has for it on a CPU:
 Calibration, one budget for every calibrated variant: SEQUENCES x SEQ_LEN
 tokens of `calibrate.broad_calibration_text()` (the licence texts in
 /usr/share/common-licenses and the installed Python packages' READMEs). A
-checkpoint is rebuilt when its build command or the calibration text changed.
+checkpoint is rebuilt when its build command, the calibration text or (ours) the
+converter's code (a3b_backend/quant/*.py) changed.
 Evaluation: EVAL_TOKENS tokens of CPython's language reference
 (`pydoc_data.topics`), as the quality report.
 
@@ -106,8 +108,9 @@ def variants(calibration: Path) -> list[Variant]:
     # the rounding spelled out: a checkpoint's build record is its command, which must not mean
     # another rounding when a3b-quantize's default changes
     return [Variant("bf16", BF16_DIR, None), a3b("A3B", "a3b-gptq", *calibrated, "--rounding", "gptq"),
+            a3b("A3B, no tuning", "a3b-gptq-untuned", *calibrated, "--rounding", "gptq", "--tune-epochs", "0"),
             a3b("A3B, nearest rounding", "a3b", *calibrated, "--rounding", "nearest"),
-            a3b("A3B uncalibrated", "a3b-uncalibrated"),
+            a3b("A3B uncalibrated", "a3b-uncalibrated", "--uncalibrated"),
             *(llm_compressor(method, kernel) for method in ("gptq", "awq") for kernel in typing.get_args(PeerKernel))]
 
 
@@ -118,7 +121,14 @@ def sha256(path: Path) -> str:
 def build_record(variant: Variant, calibration: Path) -> dict:
     """What a checkpoint was built from: its command and, if the command reads it, the calibration text's digest."""
     reads_calibration = str(calibration) in variant.build
-    return {"command": variant.build, "calibration_sha256": sha256(calibration) if reads_calibration else None}
+    converter = None
+    if "a3b_backend.quant.convert" in variant.build:  # our converter: its code is part of what it built
+        digest = hashlib.sha256()
+        for source in sorted((PROJECT_ROOT / "a3b_backend" / "quant").glob("*.py")):
+            digest.update(source.read_bytes())
+        converter = digest.hexdigest()
+    return {"command": variant.build, "calibration_sha256": sha256(calibration) if reads_calibration else None,
+            "converter_sha256": converter}
 
 
 def build(variant: Variant, calibration: Path) -> float | None:

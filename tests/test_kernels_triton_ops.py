@@ -1,0 +1,93 @@
+"""The Triton A3B kernels as vLLM's compiled GPU engine calls them (a3b_kernels/triton/ops.py), on
+the CPU: the custom ops pass torch's opcheck under Triton's interpreter, a graph compiled the way
+vLLM compiles keeps choosing the launch from the run-time M, and the host code runs under
+FakeTensorMode at Qwen3.6-35B-A3B's real shapes (no host sync, no data-dependent shape)."""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton builds the kernels: run them on the CPU
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+from a3b_backend.quant.format import KERNEL_KINDS, A3BConfig, quantize, stack, stored_tensors  # noqa: E402
+from a3b_kernels.triton import a3b_matmul, a3b_moe, ops  # noqa: E402
+
+CONFIG = A3BConfig(1, 128, iterations=1)
+QWEN = dict(experts=256, hidden=2048, intermediate=512, top_k=8)
+
+
+def weight(out: int, inp: int, seed: int = 0):
+    return quantize(torch.randn(out, inp, generator=torch.Generator().manual_seed(seed)) * 0.05, CONFIG)
+
+
+def test_the_ops_pass_opcheck():
+    q = weight(64, 256)
+    x = torch.randn(3, 256)
+    torch.library.opcheck(torch.ops.a3b.gpu_linear, (x, *q.kernel_tensors(), CONFIG.block_cols))
+    w13 = stack([weight(2 * 128, 256, e) for e in range(4)])
+    w2 = stack([weight(256, 128, 10 + e) for e in range(4)])
+    ids = torch.tensor([[0, 2], [3, -1], [1, 0]], dtype=torch.int32)  # -1: another rank's expert
+    topk_weights = torch.softmax(torch.randn(3, 2), -1)
+    torch.library.opcheck(torch.ops.a3b.gpu_moe,
+                          (x, *w13.kernel_tensors(), *w2.kernel_tensors(), topk_weights, ids, CONFIG.block_cols))
+
+
+def test_a_compiled_graph_chooses_the_launch_from_the_run_time_rows(monkeypatch):
+    """Traced at M=64 as vLLM compiles (fullgraph, dynamic batch, guards dropped), called at M=1 and
+    M=8: each call gets its own M's launch, not the trace's."""
+    chosen = []
+    real = a3b_matmul.launch_for
+    monkeypatch.setattr(a3b_matmul, "launch_for", lambda m: chosen.append(m) or real(m))
+    q = weight(64, 256)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.a3b.gpu_linear(x * 2, *q.kernel_tensors(), CONFIG.block_cols).relu()
+
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend="aot_eager",
+                             options={"guard_filter_fn": lambda entries: [False] * len(entries)})
+    for m in (64, 1, 8):
+        x = torch.randn(m, 256)
+        torch.testing.assert_close(compiled(x), layer(x))
+    assert chosen[::2] == [64, 1, 8]  # the compiled call, then the eager reference, per M
+    assert [real(m).block_m for m in chosen[::2]] == [64, 1, 16]
+
+
+class NoLaunch:
+    """A kernel whose launches do nothing: the host code alone runs."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 8192])
+def test_the_moe_host_code_runs_on_fake_tensors_at_qwen_shapes(monkeypatch, tokens):
+    monkeypatch.setattr(a3b_moe, "_a3b_moe_kernel", NoLaunch())
+    e, h, i, k = QWEN["experts"], QWEN["hidden"], QWEN["intermediate"], QWEN["top_k"]
+    with FakeTensorMode():
+        def stacked(out: int, inp: int):
+            tensors = {kind: torch.empty((e, *spec.shape), dtype=spec.dtype)
+                       for kind, spec in stored_tensors(out, inp, CONFIG.block).items() if kind != "shape"}
+            return tuple(tensors[kind] for kind in KERNEL_KINDS)
+
+        x = torch.empty(tokens, h, dtype=torch.bfloat16)
+        ids = torch.empty(tokens, k, dtype=torch.int32)
+        topk_weights = torch.empty(tokens, k)
+        w13, w2 = ops._weight(stacked(2 * i, h), 2 * i, h), ops._weight(stacked(h, i), h, i)
+        out = a3b_moe.a3b_moe(x, w13, w2, topk_weights, ids, CONFIG.block_cols)
+    assert tuple(out.shape) == (tokens, h) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("rows", [1, 8, 8192])
+@pytest.mark.parametrize("shape", [(12288, 2048), (2048, 4096), (1024, 2048)])
+def test_the_linear_host_code_runs_on_fake_tensors_at_qwen_shapes(monkeypatch, rows, shape):
+    monkeypatch.setattr(a3b_matmul, "_a3b_matmul_kernel", NoLaunch())
+    out, inp = shape
+    with FakeTensorMode():
+        tensors = {kind: torch.empty(spec.shape, dtype=spec.dtype)
+                   for kind, spec in stored_tensors(out, inp, CONFIG.block).items()}
+        x = torch.empty(rows, inp, dtype=torch.bfloat16)
+        y = a3b_matmul.a3b_matmul(x, ops._weight(tuple(tensors[k] for k in KERNEL_KINDS), out, inp), CONFIG)
+    assert tuple(y.shape) == (rows, out)
