@@ -393,3 +393,22 @@ def test_broad_calibration_text_mixes_licences_and_package_readmes(tmp_path, mon
     assert "LICENCE TAIL" not in text  # each document cut to DOCUMENT_CHARS
     readme = importlib.metadata.metadata("tqdm").json["description"]
     assert readme[:200] in text
+
+
+@pytest.mark.parametrize("block, runs", [((1, 128), True), ((1, 256), True), ((1, 64), False), ((4, 128), False),
+                                         ((1, 192), False)])
+def test_block_shapes_the_gpu_kernels_cannot_run_are_named(block, runs):
+    from a3b_backend.quant.format import gpu_block_problem
+
+    assert (gpu_block_problem(block) is None) == runs
+
+
+def test_the_converter_refuses_a_block_shape_the_gpu_cannot_run_unless_asked(tmp_path, capsys):
+    from a3b_backend.quant.convert import main
+
+    src = tiny(tmp_path, "llama")
+    assert main([str(src), str(tmp_path / "out"), "--block-shape", "1", "32", "--uncalibrated"]) == 2
+    assert "power of two >= 128" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert main([str(src), str(tmp_path / "out"), "--block-shape", "1", "32", "--uncalibrated",
+                 "--cpu-only-blocks"]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["block_shape"] == [1, 32]

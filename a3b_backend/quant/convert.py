@@ -65,7 +65,8 @@ from tqdm import tqdm
 
 from a3b_backend.quant import calibrate, checkpoint
 from a3b_backend.quant.checkpoint import COPIED_FILES, INPUT_SCALES_FILE, ROW_DIVISORS_FILE
-from a3b_backend.quant.format import A3BConfig, A3BWeight, QuantizationError, dequantize, quantize
+from a3b_backend.quant.format import (A3BConfig, A3BWeight, QuantizationError, dequantize, gpu_block_problem,
+                                      quantize)
 from a3b_backend.quant.gptq import quantize_gptq
 from a3b_backend.quant.names import OUTSIDE_TEXT_MODEL, TEXT_ONLY, Layout, LayoutError, layout_of
 from a3b_backend.quant.tune import TuneConfig, tune
@@ -384,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("src", type=Path)
     parser.add_argument("dst", type=Path)
     parser.add_argument("--block-shape", type=int, nargs=2, metavar=("R", "C"), default=(1, 128))
+    parser.add_argument("--cpu-only-blocks", action="store_true",
+                        help="allow a block shape only the CPU kernels run (the GPU kernels need 1 x 2^n, n >= 7)")
     parser.add_argument("--iterations", type=int, default=A3BConfig.iterations)
     calibration = parser.add_mutually_exclusive_group()
     calibration.add_argument("--calibration-text", type=Path,
@@ -404,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = A3BConfig(args.block_shape[0], args.block_shape[1], iterations=args.iterations)
+        problem = gpu_block_problem(config.block)
+        if problem and not args.cpu_only_blocks:
+            raise ConversionError(f"--block-shape: {problem}; --cpu-only-blocks writes it for the CPU kernels alone")
         if args.pipeline == "layers" and args.uncalibrated:
             raise ConversionError("--pipeline layers calibrates: it cannot run --uncalibrated")
         with calibration_file(args.calibration_text, args.uncalibrated) as text:

@@ -96,6 +96,17 @@ class A3BConfig:
             raise QuantizationError(f"quantization_config.block_shape: {exc}") from None
 
 
+def gpu_block_problem(block: tuple[int, int]) -> str | None:
+    """Why the GPU kernels cannot run `block`, or None: they read 1-row blocks whose columns are a
+    power of two >= 128 (their dot products' K is a block's columns / 8, and Triton's tensor-core
+    dots need K >= 16)."""
+    rows, cols = block
+    if rows == 1 and cols >= 128 and cols & (cols - 1) == 0:
+        return None
+    return (f"the GPU kernels need 1-row blocks whose columns are a power of two >= 128 "
+            f"(1x128, 1x256, ...), not {rows}x{cols}")
+
+
 def ceil_div(numerator: int, denominator: int) -> int:
     return -(-numerator // denominator)
 
