@@ -122,7 +122,8 @@ def rounding_throughput() -> dict[str, float]:
     hessian = x.T @ x / len(x)
     runs = {
         "nearest, 1 expert": (1, lambda: quantize(weights[0], config, col_importance=hessian.diagonal())),
-        "nearest, 4 experts stacked": (4, lambda: quantize_stack(weights[:4], config, hessian.diagonal().expand(4, -1))),
+        "nearest, 4 experts stacked": (4, lambda: quantize_stack(weights[:4], config,
+                                                                 hessian.diagonal().expand(4, -1))),
         "gptq, 1 expert": (1, lambda: quantize_gptq(weights[0], config, hessian)),
         "gptq, 4 experts stacked": (4, lambda: quantize_gptq_stack(weights[:4], config, hessian.expand(4, -1, -1))),
         "gptq, 16 experts stacked": (16, lambda: quantize_gptq_stack(weights, config, hessian.expand(16, -1, -1))),

@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from a3b_backend.quant.checkpoint import INPUT_SCALES_FILE, ROW_DIVISORS_FILE
 
 from a3b_backend.quant.convert import ConversionError, convert, fold_norm_scale
+from a3b_backend.quant.dequantized import stored_tensors
 from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
 from a3b_backend.quant.tune import TuneConfig
 
@@ -28,12 +29,7 @@ def tiny(tmp_path: Path, model_type: str, vocab_size: int = 256, **extra) -> Pat
     return path
 
 
-def tensors(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for shard in path.glob("*.safetensors"):
-        with safe_open(shard, "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
+tensors = stored_tensors
 
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from a3b_backend.profiles import PROJECT_ROOT, get_profile
-from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
+from a3b_backend.quant.dequantized import float_model
 from test_quant_convert import tensors
 
 SOURCE = PROJECT_ROOT / "models" / "qwen3.6-tiny"
@@ -46,41 +46,6 @@ MEDIAN_TOLERANCE = 0.12
 # runs, the others under 12%, vLLM's batch breaking the ties differently from
 # run to run): bounded by share.
 OUTLIER_TOLERANCE, MAX_OUTLIER_SHARE = 0.35, 0.15
-
-
-def reference_model(checkpoint: Path):
-    """transformers' Qwen3.5-MoE text model, float32, with the checkpoint's weights
-    (A3B weights dequantized; stacked or per-expert experts; the published prefixes)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config_json = json.loads((checkpoint / "config.json").read_text())
-    quantization = config_json.pop("quantization_config", None)
-    a3b = A3BConfig.from_json(quantization) if quantization else None
-    config = AutoConfig.for_model(**config_json)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    stored = tensors(checkpoint)
-
-    def weight(name: str) -> torch.Tensor:
-        if f"{name}_packed" in stored:
-            return dequantize(A3BWeight.from_tensors(stored, name), a3b)
-        return stored[name].float()
-
-    def experts(base: str, proj: str) -> torch.Tensor:
-        if f"{base}.{proj}" in stored:
-            return stored[f"{base}.{proj}"].float()
-        count = config.num_experts
-        if proj == "gate_up_proj":
-            return torch.stack([torch.cat([weight(f"{base}.{e}.gate_proj.weight"), weight(f"{base}.{e}.up_proj.weight")])
-                                for e in range(count)])
-        return torch.stack([weight(f"{base}.{e}.down_proj.weight") for e in range(count)])
-
-    state = {}
-    for name in model.state_dict():
-        published = name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
-        base, _, proj = published.rpartition(".")
-        state[name] = experts(base, proj) if base.endswith("mlp.experts") else weight(published)
-    model.load_state_dict(state)
-    return model
 
 
 def tokenizer():
@@ -194,7 +159,7 @@ def compare(got: list[float], expected: list[float], what: str) -> None:
 @pytest.mark.parametrize("checkpoint", [QUANTIZED, SOURCE], ids=["a3b", "bf16"])
 def test_vllm_prefill_and_decode_match_transformers(checkpoint, prompts, tmp_path):
     result, log = vllm_check(checkpoint, prompts, tmp_path)
-    model = reference_model(checkpoint)
+    model = float_model(checkpoint)
     all_prefill, all_decode = [], []
     for ids, prefill, tokens, decode in zip(prompts, result["prompt_logprobs"], result["greedy"],
                                             result["greedy_logprobs"]):

@@ -69,7 +69,7 @@ from a3b_backend.quant.format import (A3BConfig, A3BWeight, QuantizationError, d
                                       quantize)
 from a3b_backend.quant.gptq import quantize_gptq
 from a3b_backend.quant.names import OUTSIDE_TEXT_MODEL, TEXT_ONLY, Layout, LayoutError, layout_of
-from a3b_backend.quant.tune import TuneConfig, tune
+from a3b_backend.quant.tune import BLOCK_WISE, TuneConfig, tune
 
 KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 # Experts stored stacked as 3-D tensors [experts, out, in] in some checkpoints.
@@ -399,10 +399,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="gptq (the default with calibration): error-compensating rounding in column "
                              "order; nearest (the only choice with --uncalibrated)")
     parser.add_argument("--tune-epochs", type=int, default=TuneConfig.epochs,
-                        help="passes over the calibration text tuning the metadata end to end (0: none)")
+                        help="passes over the calibration text tuning the metadata, end to end (--pipeline "
+                             "model) or block-wise (--pipeline layers); 0: none")
     parser.add_argument("--pipeline", choices=("model", "layers"), default="model",
                         help="model: calibrate with the whole model in memory (and tune end to end); layers: one "
-                             "decoder layer at a time in bounded memory, resumable, no tuning "
+                             "decoder layer at a time in bounded memory, resumable, tuned block-wise "
                              "(a3b_backend/quant/sequential.py)")
     args = parser.parse_args(argv)
     try:
@@ -416,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.pipeline == "layers":
                 from a3b_backend.quant.sequential import convert_layers
 
-                convert_layers(args.src, args.dst, config, text, args.calibration_tokens, args.rounding or "gptq")
+                convert_layers(args.src, args.dst, config, text, args.calibration_tokens, args.rounding or "gptq",
+                               dataclasses.replace(BLOCK_WISE, epochs=args.tune_epochs))
             else:
                 convert(args.src, args.dst, config, text, args.calibration_tokens, args.rounding,
                         TuneConfig(epochs=args.tune_epochs))

@@ -9,14 +9,16 @@ activations, in the order llm-compressor's sequential pipeline, AutoRound and GP
 2. Each decoder layer in turn: its tensors are read from the shards one at a time; the
    cached hidden states run through it while its linears', MoE block's and routed experts'
    statistics are recorded; AWQ scales are searched and every linear rounded; the layer's
-   tensors go to a shard of their own; the layer takes its quantized weights and the windows
-   run through it again (as llm-compressor does by default), its outputs the next layer's
-   inputs; then it is freed.
+   tensors go to a shard of their own; the dense linears' metadata is tuned block-wise
+   (`tune.tune_block`: the layer's output on each window against its float output there,
+   --tune-epochs passes); the layer takes its quantized weights and the windows run through it
+   again (as llm-compressor does by default), its outputs the next layer's inputs; then it is
+   freed. Routed experts are rounded in groups on their own tokens (quant/experts.py) and keep
+   their fitted metadata, as in the whole-model tune.
 3. The rest (embedding, final norm, lm_head, an MTP layer, a vision tower) is copied as stored.
 
 Resumable: after each layer, DST.partial holds its shard, the hidden states and the
-progress; the same command after an interruption continues with the next layer. No
-end-to-end tuning here (it needs the whole model): block-wise tuning is still to come.
+progress; the same command after an interruption continues with the next layer.
 """
 from __future__ import annotations
 
@@ -37,13 +39,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from a3b_backend.quant import calibrate, checkpoint
+from a3b_backend.quant import calibrate, checkpoint, tune
 from a3b_backend.quant.experts import round_experts
 from a3b_backend.quant.convert import (ZERO_CENTRED_NORMS, ConversionError, Rounding, awq_calibration,
                                        calibration_ids, calibration_record, check_paths, fold_norm_scale,
                                        folded_scales, quantization_config, quantize_linear, write_side_files)
-from a3b_backend.quant.format import A3BConfig, dequantize
+from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
 from a3b_backend.quant.names import Layout, LayoutError, layout_of
+from a3b_backend.quant.tune import BLOCK_WISE, TuneConfig
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -54,7 +57,6 @@ REST_SHARD_BYTES = 2**30
 # What the conversion measured of itself (per layer: seconds of statistics, rounding, passing on; peak RSS).
 REPORT = "a3b/conversion.json"
 SEQ_LEN = 512
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1,
                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -173,14 +175,15 @@ def load_layer(layer: torch.nn.Module, source: Source, index: int) -> tuple[torc
     return layer.requires_grad_(False), expert_names
 
 
+def _output(out: torch.Tensor | tuple) -> torch.Tensor:
+    """A decoder layer's hidden states, whichever form its forward returns."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 @torch.no_grad()
 def run_layer(layer: torch.nn.Module, hidden: list[torch.Tensor], calls: list[tuple[tuple, dict]]
               ) -> list[torch.Tensor]:
-    outputs = []
-    for h, (args, kwargs) in zip(hidden, calls):
-        out = layer(h, *args, **kwargs)
-        outputs.append(out[0] if isinstance(out, tuple) else out)
-    return outputs
+    return [_output(layer(h, *args, **kwargs)) for h, (args, kwargs) in zip(hidden, calls)]
 
 
 @dataclasses.dataclass
@@ -190,19 +193,26 @@ class LayerResult:
     experts_on_fallback: int
     expert_projections_compensated: int  # rounded error-compensating on their own tokens (quant/experts.py)
     expert_projections: int
-    seconds: dict[str, float]  # statistics (the layer's forward over the windows) and rounding (AWQ search included)
+    seconds: dict[str, float]  # statistics (the layer's forward over the windows), rounding (AWQ search
+    # included) and tuning
 
 
 def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: list[torch.Tensor],
                    calls: list[tuple[tuple, dict]], config: A3BConfig, rounding: Rounding, zero_centred: bool,
-                   expert_names: set[str]) -> LayerResult:
-    """Calibrates and rounds one loaded layer; its weights become their quantized values (in the
-    source's scale) for the next layer's inputs."""
+                   expert_names: set[str], tune_config: TuneConfig) -> LayerResult:
+    """Calibrates, rounds and tunes one loaded layer; its weights become their quantized values
+    (in the source's scale) for the next layer's inputs."""
     prefix = f"model.layers.{index}."
     started = time.perf_counter()
     routed: dict[str, calibrate.RoutedInputs] = {}
-    stats = calibrate.record(layer, lambda: run_layer(layer, hidden, calls), rounding == "gptq", prefix,
-                             routed if rounding == "gptq" else None)
+    float_outputs: list[torch.Tensor] = []  # the tuning's targets
+
+    def run() -> None:
+        outputs = run_layer(layer, hidden, calls)
+        if tune_config.epochs > 0:
+            float_outputs.extend(outputs)
+
+    stats = calibrate.record(layer, run, rounding == "gptq", prefix, routed if rounding == "gptq" else None)
     recorded = time.perf_counter()
     fallbacks = calibrate.fill_expert_fallbacks(stats, layer, prefix)
     linears = calibrate.quantized_linears(layer, prefix)
@@ -210,33 +220,45 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
                                            progress=False)
     out: dict[str, torch.Tensor] = {}
 
-    def quantized(module: str, weight: torch.Tensor) -> torch.Tensor:
-        name = source.layout.checkpoint(module) + ".weight"
-        q = quantize_linear(name, weight, config, per_linear, module)
-        out.update(q.tensors(name))
-        return per_linear[module].source(dequantize(q, config))
+    def store(name: str, q: A3BWeight) -> None:
+        """Writes the linear's A3B weight and gives the layer its values in the source's scale."""
+        out.update(q.tensors(source.layout.checkpoint(prefix + name) + ".weight"))
+        linears[name].weight.data = per_linear[prefix + name].source(dequantize(q, config))
 
-    written = set()
-    for name, linear in linears.items():
-        deq = quantized(prefix + name, linear.weight)
-        written.add(source.layout.checkpoint(prefix + name) + ".weight")
-        linear.weight.data = deq
+    dense = {name: quantize_linear(source.layout.checkpoint(prefix + name) + ".weight", linear.weight, config,
+                                   per_linear, prefix + name) for name, linear in linears.items()}
+    for name, q in dense.items():
+        store(name, q)
+    written = {source.layout.checkpoint(prefix + name) + ".weight" for name in dense}
     compensated = projections = 0
     for name, experts in calibrate.stacked_experts(layer).items():
-        rounded = round_experts(experts, prefix + name, lambda module: source.layout.checkpoint(module) + ".weight",
-                                stats, routed.get(prefix + name), config)
-        out.update(rounded.tensors)
-        compensated += rounded.error_compensated
-        projections += rounded.projections
+        group = round_experts(experts, prefix + name, lambda module: source.layout.checkpoint(module) + ".weight",
+                              stats, routed.get(prefix + name), config)
+        out.update(group.tensors)
+        compensated += group.error_compensated
+        projections += group.projections
     for name in source.by_layer[index]:
         if name in written or name in expert_names:
             continue
         module = source.layout.module(name.removesuffix(".weight"))
         tensor = source.read(name)
         out[name] = fold_norm_scale(tensor, per_norm[module], zero_centred) if module in per_norm else tensor
+    rounded = time.perf_counter()
+    if tune_config.epochs > 0 and dense:
+        folds = {name: (per_linear[prefix + name].scale, per_linear[prefix + name].row_divisor) for name in dense}
+        def run_window(i: int) -> torch.Tensor:
+            args, kwargs = calls[i]
+            return _output(layer(hidden[i], *args, **kwargs))
+
+        tuned = tune.tune_block(layer, dense, config, run_window, float_outputs, folds, tune_config)
+        for name, q in tuned.items():  # the linears back in their place, with the tuned values
+            parent, attr = name.rsplit(".", 1)
+            setattr(layer.get_submodule(parent), attr, linears[name])
+            store(name, q)
     scales = {f"{field}:{module}": scale.clone()
               for field, by_module in folded_scales(per_linear).items() for module, scale in by_module.items()}
-    seconds = {"statistics": recorded - started, "rounding": time.perf_counter() - recorded}
+    seconds = {"statistics": recorded - started, "rounding": rounded - recorded,
+               "tuning": time.perf_counter() - rounded}
     return LayerResult(out, scales, fallbacks, compensated, projections, seconds)
 
 
@@ -246,12 +268,13 @@ def windows_of(src: Path, text_path: Path, tokens: int) -> list[torch.Tensor]:
     return [ids[start:start + SEQ_LEN] for start in range(0, tokens, SEQ_LEN)]
 
 
-def fingerprint(src: Path, text_path: Path, tokens: int, config: A3BConfig, rounding: Rounding) -> str:
+def fingerprint(src: Path, text_path: Path, tokens: int, config: A3BConfig, rounding: Rounding,
+                tune_config: TuneConfig) -> str:
     """What an interrupted run must share with this one for its layers to be kept."""
     digest = hashlib.sha256()
     text = hashlib.sha256(text_path.read_bytes()).hexdigest()
     for part in (str(src.resolve()), (src / "config.json").read_text(), text, tokens,
-                 json.dumps(config.to_json()), rounding):
+                 json.dumps(config.to_json()), rounding, json.dumps(dataclasses.asdict(tune_config))):
         digest.update(str(part).encode())
     return digest.hexdigest()
 
@@ -274,16 +297,15 @@ def _save_atomic(write, path: Path) -> None:
 
 
 def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Path, calibration_tokens: int = 2048,
-                   rounding: Rounding = "gptq") -> Path:
+                   rounding: Rounding = "gptq", tune_config: TuneConfig = BLOCK_WISE) -> Path:
     model_config = check_paths(src, dst)
     check_disk(src, dst)
-    _heap_returns_large_blocks()
     source = Source.open(src)
     zero_centred = model_config.get("model_type") in ZERO_CENTRED_NORMS
     windows = windows_of(src, calibration_text, calibration_tokens)
     model = skeleton(src)
     hidden, calls, layers = layer_inputs(model, source, windows)
-    stamp = fingerprint(src, calibration_text, calibration_tokens, config, rounding)
+    stamp = fingerprint(src, calibration_text, calibration_tokens, config, rounding, tune_config)
     partial = dst.with_name(dst.name + ".partial")
     progress = json.loads((partial / PROGRESS).read_text()) if (partial / PROGRESS).exists() else None
     resume = progress is not None and progress["fingerprint"] == stamp
@@ -303,7 +325,7 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
             started = time.perf_counter()
             layer, expert_names = load_layer(layers[index], source, index)
             result = quantize_layer(layer, index, source, hidden, calls[index], config, rounding, zero_centred,
-                                    expert_names)
+                                    expert_names, tune_config)
             passing_on = time.perf_counter()
             hidden = run_layer(layer, hidden, calls[index])
             passed_on = time.perf_counter() - passing_on
@@ -326,7 +348,7 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
             _save_atomic(lambda p: p.write_text(json.dumps(progress)), partial / PROGRESS)
             bar.set_postfix_str(f"peak RSS {peak_rss_gib():.1f} GiB")
             result = None  # its tensors, written
-        _finish(source, partial, model_config, config, rounding, progress, len(layers),
+        _finish(source, partial, model_config, config, rounding, tune_config.epochs, progress, len(layers),
                 calibration_record(calibration_text, calibration_tokens, progress["experts_on_fallback"]))
     report = json.loads((dst / REPORT).read_text())
     print(f"{dst}: {report['layers']} layers, {report['linears']} linears quantized, each on its own calibration "
@@ -352,7 +374,7 @@ def rest_groups(source: Source, limit: int = REST_SHARD_BYTES) -> list[list[str]
 
 
 def _finish(source: Source, partial: Path, model_config: dict, config: A3BConfig, rounding: Rounding,
-            progress: dict, layers: int, calibration: dict) -> None:
+            tuned_epochs: int, progress: dict, layers: int, calibration: dict) -> None:
     groups = rest_groups(source)
     shards = layers + len(groups)
     for group_index, names in enumerate(groups):
@@ -375,7 +397,8 @@ def _finish(source: Source, partial: Path, model_config: dict, config: A3BConfig
             scales[field][module] = tensor
         part.unlink()
     write_side_files(source.path, partial, model_config,
-                     quantization_config(config, rounding, 0, calibration, pipeline="layers"), scales)
+                     quantization_config(config, rounding, tuned_epochs, calibration, pipeline="layers",
+                                         **({"tuning": "block-wise"} if tuned_epochs else {})), scales)
     linears = sum(1 for name in weight_map if name.endswith("_packed"))
     done = progress["layers"]
     (partial / REPORT).parent.mkdir(exist_ok=True)
@@ -389,16 +412,9 @@ def _finish(source: Source, partial: Path, model_config: dict, config: A3BConfig
             (partial / leftover).unlink()
 
 
-def _heap_returns_large_blocks() -> None:
-    """Tensors of 1 MiB and more get pages of their own, handed back when freed. glibc otherwise
-    raises its mmap threshold to the largest block freed (up to 32 MiB), and a layer's
-    rounding frees thousands of 1-16 MiB temporaries that then fragment the heap it keeps."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 2**20)
-
-
 def _trim_heap() -> None:
-    """Give the heap's free pages back between layers, so each layer's peak is its own."""
+    """Give the heap's free pages back between layers, so each layer starts from what it holds
+    (glibc keeps freed blocks under its mmap threshold, up to 32 MiB each, in its heaps)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
