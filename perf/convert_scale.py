@@ -38,6 +38,7 @@ QWEN_TINY = PROJECT_ROOT / "models" / "qwen3.6-tiny"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 CALIBRATION_TEXT = LICENCE_TEXTS / "GPL-3"
 FULL_LAYERS = FULL_SIZE["num_hidden_layers"]
+PHASES = ("statistics", "rounding", "tuning", "passing_on", "total")  # a3b/conversion.json's, per layer
 EXPERT_WEIGHTS = FULL_SIZE["num_experts"] * 3 * FULL_SIZE["moe_intermediate_size"] * FULL_SIZE["hidden_size"]
 
 
@@ -187,14 +188,15 @@ def report(results: dict[int, dict], throughput: dict[str, float], held_out: dic
     rows = []
     for layers, r in sorted(results.items()):
         per = r["per_layer"]
-        mean = {k: sum(d[k] for d in per) / len(per) for k in ("statistics", "rounding", "passing_on", "total")}
+        mean = {k: sum(d[k] for d in per) / len(per) for k in PHASES}
         rows.append(f"| {layers} | {r['process_peak_rss_gib']:.2f} | {r['wall_s']:.0f} | {mean['total']:.0f} | "
-                    f"{mean['statistics']:.0f} | {mean['rounding']:.0f} | {mean['passing_on']:.0f} | "
+                    f"{mean['statistics']:.0f} | {mean['rounding']:.0f} | {mean['tuning']:.0f} | "
+                    f"{mean['passing_on']:.0f} | "
                     f"{r['linears']} | {r['expert_projections_compensated']} of {r['expert_projections']} |")
     small, large = min(results), max(results)
     growth = results[large]["process_peak_rss_gib"] - results[small]["process_peak_rss_gib"]
     per = [d for r in results.values() for d in r["per_layer"]]
-    forward = sum(d["statistics"] + d["passing_on"] for d in per) / len(per)
+    forward = sum(d["statistics"] + d["tuning"] + d["passing_on"] for d in per) / len(per)
     rounding = sum(d["rounding"] for d in per) / len(per)
     full_tokens = 128 * 512
     # At the full budget an expert averages full_tokens * 8 / 256 = 2048 own tokens: past TOKENS_PER_INPUT
@@ -209,10 +211,11 @@ def report(results: dict[int, dict], throughput: dict[str, float], held_out: dic
         f"Machine: {machine()}. Command: `{command}`. Random checkpoints of real-width layers (hidden 2048, "
         "256 routed experts top-8 of intermediate 512, shared expert 512, DeltaNet 16/32 heads of 128, attention "
         "16Q/2KV of 256, vocabulary 248,320) in the published layout; each converted by `a3b-quantize "
-        f"--pipeline layers` (error-compensating rounding) on {tokens} tokens of GPL-3, in a process of its own.", "",
-        "| layers | peak RSS GiB | wall s | s per layer | statistics s | rounding s | passing on s | linears | "
-        "expert projections error-compensated |",
-        "|---|---|---|---|---|---|---|---|---|", *rows, "",
+        f"--pipeline layers` (its defaults: error-compensating rounding, one pass of block-wise tuning) on {tokens} "
+        "tokens of GPL-3, in a process of its own.", "",
+        "| layers | peak RSS GiB | wall s | s per layer | statistics s | rounding s | tuning s | passing on s | "
+        "linears | expert projections error-compensated |",
+        "|---|---|---|---|---|---|---|---|---|---|", *rows, "",
         f"Peak RSS, {large} layers minus {small}: **{growth:+.2f} GiB** (goal: under 0.5); {large} layers peak at "
         f"{results[large]['process_peak_rss_gib']:.2f} GiB (goal: under 8). At {tokens} tokens an expert sees "
         f"~{tokens * 8 // 256} of its own, too few for error-compensating rounding: experts round nearest here.", "",
@@ -226,7 +229,8 @@ def report(results: dict[int, dict], throughput: dict[str, float], held_out: dic
         *(f"| {n} | {n / 2048:.3g} | {ratio:.2f} |" for n, ratio in held_out.items()), "",
         f"Projection to the whole model ({FULL_LAYERS} layers, 128 x 512 = {full_tokens} calibration tokens) on "
         f"this machine: **{projected / 3600:.1f} h** ({full_rounding / 60:.0f} min of rounding per layer). "
-        f"Assumptions: the forward passes (statistics, passing on: {forward:.0f} s per layer here) grow linearly "
+        f"Assumptions: the passes over the windows (statistics, tuning, passing on: {forward:.0f} s per layer here) "
+        "grow linearly "
         f"with the tokens; the routed experts' {EXPERT_WEIGHTS / 1e6:.0f} M weights per layer all round "
         f"error-compensating, 4 stacked ({experts_gptq:.0f} s instead of {experts_nearest:.0f} s nearest), "
         f"after their Hessians ({hessians:.0f} s at the measured {flops / 1e9:.0f} GFLOP/s of x^T x); the rest of "
