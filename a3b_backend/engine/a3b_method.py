@@ -6,11 +6,14 @@ the checkpoint's config.json `quantization_config.quant_method`.
 
 The packed codes and the stored metadata are loaded as they are, sharded by
 vLLM's tensor-parallel loaders (merged qkv / gate_up shards land at their
-offsets), and stay packed while serving. Execution by device:
-  CPU   the C++ kernel (a3b_kernels.cpu), strategy from $A3B_CPU_LINEAR;
-  CUDA  the Triton-language kernels (a3b_kernels.triton): a3b_matmul for linear
-        layers, the grouped a3b_moe for routed experts; 1 x C blocks only
-        (other block shapes take a torch dequantize + matmul path).
+offsets), and stay packed while serving. Each layer's kernels are chosen when its
+weights load (`kernel_for`, kept on the layer as `a3b_kernel`):
+  cpu     the C++ kernel (a3b_kernels.cpu), strategy from $A3B_CPU_LINEAR;
+  triton  the Triton-language kernels as the custom ops a3b::gpu_linear and
+          a3b::gpu_moe (a3b_kernels.triton.ops); on CUDA with 1 x C blocks (other
+          block shapes take a torch dequantize + matmul path), and on the CPU under
+          $A3B_KERNEL=triton with TRITON_INTERPRET=1: vLLM's real call path into the
+          GPU branch, checked without a GPU.
 $A3B_CPU_LINEAR=expand dequantizes every weight to the model dtype at load
 instead: an explicit option for comparison, never the default.
 """
@@ -61,6 +64,18 @@ def cpu_linear(layer_kind: str, x: torch.Tensor, weight: A3BWeight, block: tuple
                strategy: cpu_kernels.Strategy) -> torch.Tensor:
     announce_path(layer_kind, f"CPU {cpu_kernels.path(x.shape[0], strategy)}", x.dtype)
     return cpu_kernels.linear(x, weight, block, strategy)
+
+
+KERNEL_ENV = "A3B_KERNEL"  # "triton": the Triton kernels on the CPU too (under TRITON_INTERPRET=1)
+
+
+def kernel_for(device: torch.device) -> str:
+    """"triton" on CUDA or where $A3B_KERNEL asks for it, else "cpu": read when weights load (as
+    `cpu_strategy`), never in `apply`."""
+    chosen = os.environ.get(KERNEL_ENV, "triton" if device.type == "cuda" else "cpu")
+    if chosen not in ("cpu", "triton"):
+        raise ValueError(f"{KERNEL_ENV}={chosen!r}; allowed: cpu, triton")
+    return chosen
 
 
 def cpu_strategy() -> str:
@@ -223,7 +238,8 @@ class A3BLinearMethod(LinearMethodBase):
         layer.a3b = A3BWeight.for_kernels({k: getattr(layer, f"weight_{k}").data for k in KERNEL_KINDS},
                                           *layer.a3b_shape)
         layer.a3b_strategy = cpu_strategy()
-        if layer.weight_packed.device.type == "cpu" and layer.a3b_strategy == "expand":
+        layer.a3b_kernel = kernel_for(layer.weight_packed.device)
+        if layer.a3b_kernel == "cpu" and layer.a3b_strategy == "expand":
             weight = cpu_kernels.dequantize(layer.a3b, self.config.block)
             for k in KERNEL_KINDS:
                 delattr(layer, f"weight_{k}")
@@ -234,9 +250,10 @@ class A3BLinearMethod(LinearMethodBase):
         if layer.a3b is None:  # expanded at load
             return torch.nn.functional.linear(x, layer.weight, bias)
         x2 = x.reshape(-1, x.shape[-1])
-        if x.device.type == "cpu":  # in x's dtype from the kernel
+        if layer.a3b_kernel == "cpu":  # in x's dtype from the kernel
             y = cpu_linear("linear", x2, layer.a3b, self.config.block, layer.a3b_strategy)
         elif self.config.block[0] == 1:
+            announce_path("linear", "Triton a3b::gpu_linear", x.dtype)
             y = gpu_linear(x2, layer.a3b, self.config.format).to(x.dtype)
         else:
             y = (x2.float() @ dequantize(layer.a3b, self.config.format).T).to(x.dtype)
@@ -355,6 +372,7 @@ class A3BMoEMethod(FusedMoEMethodBase):
             raise A3BCheckpointError(f"{self.prefix}: A3B experts support SiLU-gated experts with router weights "
                                      f"applied to the output only (got {layer.moe_config.activation})")
         layer.a3b_strategy = cpu_strategy()
+        layer.a3b_kernel = kernel_for(layer.w13_weight_packed.device)
         # per projection, the experts' stacked weights: what the kernels take
         layer.a3b_experts = {
             stem: A3BWeight.for_kernels({k: getattr(layer, f"{stem}_weight_{k}") for k in KERNEL_KINDS},
@@ -366,14 +384,15 @@ class A3BMoEMethod(FusedMoEMethodBase):
 
     def _expert_linear(self, x: torch.Tensor, layer: torch.nn.Module, stem: str, expert: int) -> torch.Tensor:
         weight = layer.a3b_experts[stem].expert(expert)
-        if x.device.type == "cpu":
+        if layer.a3b_kernel == "cpu":
             return cpu_linear("MoE expert", x, weight, self.config.block, layer.a3b_strategy)
         return x @ dequantize(weight, self.config.format).T  # torch reference path, not a kernel
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts=None, shared_experts_input=None) -> torch.Tensor:
         ids = topk_ids if layer.expert_map is None else layer.expert_map[topk_ids.long()]
-        if x.device.type != "cpu" and self.config.block[0] == 1:
+        if layer.a3b_kernel == "triton" and self.config.block[0] == 1:
+            announce_path("MoE", "Triton a3b::gpu_moe", x.dtype)
             experts = layer.a3b_experts
             return gpu_moe(x, experts["w13"], experts["w2"], topk_weights, ids, self.config.block[1]).to(x.dtype)
         # The experts compute in float32, so a row's result is the same whichever path its batch takes
