@@ -10,7 +10,7 @@ ifeq ($(origin PROFILE),command line)
 $(error PROFILE=$(PROFILE) is not read: name the profile with A3B_PROFILE=$(PROFILE), as make serve does)
 endif
 
-.PHONY: setup model model-qwen serve test test-distributed test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust bench-overload bench-serving-path bench-serving-cpu bench-overhead bench-overhead-goal overhead-runs bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu profile-gpu kv-report quality quant-tools compare-quant bench-convert-scale bench-qwen-fidelity clean
+.PHONY: setup model model-qwen serve test test-distributed test-slow test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust bench-overload bench-serving-path bench-serving-cpu bench-overhead bench-overhead-goal overhead-runs bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu gpu-check gpu-check-dry-run profile-gpu kv-report quality quant-tools compare-quant bench-convert-scale bench-qwen-fidelity clean
 
 setup:
 	bash scripts/setup.sh
@@ -42,9 +42,13 @@ serve: setup model $(if $(filter qwen-tiny,$(A3B_PROFILE)),model-qwen)
 KERNEL_TESTS := tests/test_kernels_triton.py tests/test_kernels_triton_ops.py tests/test_kernels_kv.py
 
 test: setup model model-qwen
-	$(PY) -m pytest -q tests -m "not distributed"
+	$(PY) -m pytest -q tests -m "not distributed and not slow"
 	@echo "==> the Triton kernel tests again under Triton 3.6 (the GPU hosts' version)"
-	PYTHONPATH=$(VENV)/triton-3.6 A3B_EXPECT_TRITON=3.6 $(PY) -m pytest -q $(KERNEL_TESTS)
+	PYTHONPATH=$(VENV)/triton-3.6 A3B_EXPECT_TRITON=3.6 $(PY) -m pytest -q $(KERNEL_TESTS) -m "not slow"
+
+# Kernel checks at Qwen3.6's real sizes under Triton's interpreter: minutes each, outside make test
+test-slow: setup
+	$(PY) -m pytest -q tests -m slow
 
 # The default model over two vLLM nodes on loopback (profile cpu-2node, compiled
 # mode: minutes to start), a node lost and started again; CI runs it after `make test`.
@@ -52,7 +56,7 @@ test-distributed: setup model
 	$(PY) -m pytest -q tests -m distributed
 
 test-unit: setup model model-qwen
-	$(PY) -m pytest -q tests -m "not served"
+	$(PY) -m pytest -q tests -m "not served and not slow"
 
 perf-tools:
 	bash scripts/perf_tools.sh
@@ -166,6 +170,14 @@ bench-qwen-fidelity: setup model-qwen
 # A3B kernels on a CUDA GPU: checks against the references, then timings (perf/results/gpu/)
 bench-gpu:
 	$(PY) perf/gpu_kernels.py
+
+# The prepared run for a rented H100/H200 (perf/gpu_check.py): custom ops under sync-debug and CUDA
+# graphs, the CUDA extension's tests, then bench-gpu; gpu-check-dry-run shows and runs what a CPU can
+gpu-check:
+	$(PY) perf/gpu_check.py
+
+gpu-check-dry-run: setup
+	$(PY) perf/gpu_check.py --dry-run
 
 # The A3B weight kernels under Nsight Compute (GPU only): throughput, occupancy, warp stalls
 NCU ?= ncu

@@ -91,3 +91,58 @@ def test_the_linear_host_code_runs_on_fake_tensors_at_qwen_shapes(monkeypatch, r
         x = torch.empty(rows, inp, dtype=torch.bfloat16)
         y = a3b_matmul.a3b_matmul(x, ops._weight(tuple(tensors[k] for k in KERNEL_KINDS), out, inp), CONFIG)
     assert tuple(y.shape) == (rows, out)
+
+
+def random_experts(count: int, out: int, inp: int, generator: torch.Generator):
+    """A stack of A3B experts with random codes and metadata at real sizes, without quantizing
+    (rounding 256 real-width experts takes minutes)."""
+    from a3b_backend.quant.format import A3BWeight
+
+    specs = stored_tensors(out, inp, CONFIG.block)
+
+    def codes(kind, low, high):
+        return torch.randint(low, high, (count, *specs[kind].shape), generator=generator).to(specs[kind].dtype)
+
+    tensors = {"packed": codes("packed", 0, 256), "lo": codes("lo", -127, 128), "step": codes("step", 0, 256),
+               "delta": codes("delta", 0, 256),
+               "lo_scale": torch.full((count, *specs["lo_scale"].shape), 2e-4, dtype=torch.bfloat16),
+               "step_scale": torch.full((count, *specs["step_scale"].shape), 1e-4, dtype=torch.bfloat16)}
+    return A3BWeight.for_kernels(tensors, out, inp)
+
+
+def expert_output(x: torch.Tensor, w13, w2, expert: int) -> torch.Tensor:
+    from a3b_backend.quant.format import dequantize
+
+    gate, up = (x @ dequantize(w13.expert(expert), CONFIG).T).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up) @ dequantize(w2.expert(expert), CONFIG).T
+
+
+@pytest.mark.slow  # 3m36s under the interpreter (Triton 3.9, 2 cores, beside a conversion)
+def test_the_moe_op_follows_vllms_routing_contract_at_qwen_shape():
+    """Qwen3.6's shape (256 experts, hidden 2048, 512 per expert, top-8): softmax -> top-8 ->
+    renormalise, int32 ids as vLLM passes them; with expert parallelism over 2 ranks (vLLM's
+    expert_map: global id -> local id, -1 elsewhere) each rank's output is its experts' share and the
+    two add up to the whole. The shared expert is not the op's: vLLM adds it outside."""
+    e, h, i, k = QWEN["experts"], QWEN["hidden"], QWEN["intermediate"], QWEN["top_k"]
+    generator = torch.Generator().manual_seed(3)
+    w13, w2 = random_experts(e, 2 * i, h, generator), random_experts(e, h, i, generator)
+    x = torch.randn(3, h, generator=generator)
+    probabilities = torch.softmax(x @ torch.randn(e, h, generator=generator).T / h**0.5, dim=-1)
+    top, ids = probabilities.topk(k, dim=-1)
+    weights, ids = top / top.sum(-1, keepdim=True), ids.to(torch.int32)
+    expected = torch.zeros(3, h)
+    for t in range(3):
+        for slot in range(k):
+            expected[t] += weights[t, slot] * expert_output(x[t:t + 1], w13, w2, int(ids[t, slot]))[0]
+    whole = ops.gpu_moe(x, *w13.kernel_tensors(), *w2.kernel_tensors(), weights, ids, CONFIG.block_cols)
+    scale = expected.abs().max()
+    torch.testing.assert_close(whole, expected, rtol=0, atol=2**-7 * scale)
+    half = e // 2
+    shares = []
+    for rank in range(2):
+        expert_map = torch.full((e,), -1, dtype=torch.int32)
+        expert_map[rank * half:(rank + 1) * half] = torch.arange(half, dtype=torch.int32)
+        local = [w.kernel_tensors() for w in (w13, w2)]
+        local = [tuple(t[rank * half:(rank + 1) * half] for t in tensors) for tensors in local]
+        shares.append(ops.gpu_moe(x, *local[0], *local[1], weights, expert_map[ids.long()], CONFIG.block_cols))
+    torch.testing.assert_close(shares[0] + shares[1], whole, rtol=0, atol=2**-7 * scale)
