@@ -10,7 +10,7 @@ ifeq ($(origin PROFILE),command line)
 $(error PROFILE=$(PROFILE) is not read: name the profile with A3B_PROFILE=$(PROFILE), as make serve does)
 endif
 
-.PHONY: setup model model-qwen serve test test-distributed test-slow test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust bench-overload bench-serving-path bench-serving-cpu bench-overhead bench-overhead-goal overhead-runs bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu gpu-check gpu-check-dry-run profile-gpu kv-report quality quant-tools compare-quant bench-convert-scale bench-qwen-fidelity clean
+.PHONY: setup model model-qwen serve test test-distributed test-slow test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust bench-overload bench-serving-path bench-serving-cpu bench-overhead bench-overhead-goal overhead-runs bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu gpu-check gpu-check-dry-run profile-gpu kv-report quality quant-tools compare-quant bench-convert-scale bench-qwen-fidelity bench-calibration-budget clean
 
 setup:
 	bash scripts/setup.sh
@@ -161,6 +161,11 @@ compare-quant: setup model quant-tools
 # peak RSS against layers, seconds per layer, rounding throughput, a 40-layer projection (perf/results/convert_scale/)
 bench-convert-scale: setup model-qwen
 	$(PY) perf/convert_scale.py
+
+# make model's 8,192-token calibration budget against a3b-quantize's default 65,536: SmolLM2's
+# perplexity in transformers at each (perf/results/calibration_budget/)
+bench-calibration-budget: setup model
+	$(PY) perf/calibration_budget.py
 
 # qwen-tiny's A3B conversions (uncalibrated, both pipelines) against its source, as built and with
 # outlier RMSNorm channels: excess NLL on sequences it samples (perf/results/qwen_fidelity/)

@@ -44,8 +44,8 @@ VARIANTS = {
     "uncalibrated": ("uncalibrated", ["--uncalibrated"]),
     "whole model, no tuning": ("model-untuned", ["--pipeline", "model", "--tune-epochs", "0"]),
     "whole model, tuned": ("model", ["--pipeline", "model"]),
-    "layers, no tuning": ("layers-untuned", ["--pipeline", "layers", "--tune-epochs", "0"]),
     "layers (the 35B path)": ("layers", ["--pipeline", "layers"]),
+    "layers, tuned block-wise": ("layers-tuned", ["--pipeline", "layers", "--tune-epochs", "1"]),
 }
 
 

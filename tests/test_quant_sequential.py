@@ -102,7 +102,7 @@ def test_block_wise_tuning_brings_the_output_closer_to_the_source(tmp_path, toke
     with torch.no_grad():
         reference = float_model(src)(ids).logits
     errors, codes = {}, {}
-    for epochs in (0, 2):  # the pipeline's rates, 4 steps a layer
+    for epochs in (0, 2):  # the pipeline's block-wise rates, 4 steps a layer
         dst = sequential.convert_layers(src, tmp_path / f"tuned-{epochs}", CONFIG, text, 1024, rounding="nearest",
                                         tune_config=dataclasses.replace(BLOCK_WISE, epochs=epochs))
         quantization = json.loads((dst / "config.json").read_text())["quantization_config"]

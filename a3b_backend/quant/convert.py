@@ -398,9 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounding", choices=get_args(Rounding),
                         help="gptq (the default with calibration): error-compensating rounding in column "
                              "order; nearest (the only choice with --uncalibrated)")
-    parser.add_argument("--tune-epochs", type=int, default=TuneConfig.epochs,
-                        help="passes over the calibration text tuning the metadata, end to end (--pipeline "
-                             "model) or block-wise (--pipeline layers); 0: none")
+    parser.add_argument("--tune-epochs", type=int,
+                        help=f"passes over the calibration text tuning the metadata, end to end (--pipeline model, "
+                             f"default {TuneConfig.epochs}) or block-wise (--pipeline layers, default 0: on "
+                             f"qwen-tiny with outlier channels it raised the excess NLL, make bench-qwen-fidelity); "
+                             f"0: none")
     parser.add_argument("--pipeline", choices=("model", "layers"), default="model",
                         help="model: calibrate with the whole model in memory (and tune end to end); layers: one "
                              "decoder layer at a time in bounded memory, resumable, tuned block-wise "
@@ -418,10 +420,10 @@ def main(argv: list[str] | None = None) -> int:
                 from a3b_backend.quant.sequential import convert_layers
 
                 convert_layers(args.src, args.dst, config, text, args.calibration_tokens, args.rounding or "gptq",
-                               dataclasses.replace(BLOCK_WISE, epochs=args.tune_epochs))
+                               dataclasses.replace(BLOCK_WISE, epochs=args.tune_epochs or 0))
             else:
                 convert(args.src, args.dst, config, text, args.calibration_tokens, args.rounding,
-                        TuneConfig(epochs=args.tune_epochs))
+                        TuneConfig() if args.tune_epochs is None else TuneConfig(epochs=args.tune_epochs))
     except (ConversionError, QuantizationError) as exc:
         print(f"a3b-quantize: error: {exc}", file=sys.stderr)
         return 2
