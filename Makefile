@@ -39,7 +39,7 @@ render: setup
 serve: setup model $(if $(filter qwen-tiny,$(A3B_PROFILE)),model-qwen)
 	bash scripts/serve.sh
 
-KERNEL_TESTS := tests/test_kernels_triton.py tests/test_kernels_triton_ops.py tests/test_kernels_kv.py
+KERNEL_TESTS := tests/test_kernels_triton.py tests/test_kernels_triton_ops.py tests/test_kernels_kv.py tests/test_kernels_aot.py
 
 test: setup model model-qwen
 	$(PY) -m pytest -q tests -m "not distributed and not slow"
