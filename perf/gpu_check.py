@@ -21,6 +21,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 from a3b_backend.profiles import PROJECT_ROOT
@@ -125,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         run("2. CUDA extension tests", [sys.executable, "-m", "pytest", "-q", "tests/test_kernels_cuda.py"])
         timings["CUDA extension tests"] = time.perf_counter() - started
     started = time.perf_counter()
-    run("3. kernel checks and timings", [sys.executable, "perf/gpu_kernels.py", *(["--smoke"] if args.dry_run else [])])
+    # a dry run's smoke figures mean nothing: they go to a scratch folder, not over perf/results/gpu/
+    smoke = ["--smoke", "--out", tempfile.mkdtemp(prefix="gpu-check-dry-run-")] if args.dry_run else []
+    run("3. kernel checks and timings", [sys.executable, "perf/gpu_kernels.py", *smoke])
     timings["kernel checks and timings"] = time.perf_counter() - started
     print("gpu-check " + ("dry run " if args.dry_run else "") + "passed: "
           + ", ".join(f"{step} {seconds:.0f} s" for step, seconds in timings.items()))
