@@ -46,11 +46,17 @@ def float_model(checkpoint: Path) -> torch.nn.Module:
                                 for e in range(count)])
         return torch.stack([weight(f"{base}.{e}.down_proj.weight") for e in range(count)])
 
+    # a tied lm_head is the embedding: checkpoints store it once
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     state = {}
     for name in model.state_dict():
+        if name in tied:
+            continue
         stored_name = name.replace("model.", "model.language_model.", 1) if published and name.startswith("model.") \
             else name
         base, _, proj = stored_name.rpartition(".")
         state[name] = experts(base, proj) if base.endswith("mlp.experts") else weight(stored_name)
-    model.load_state_dict(state)
+    model.load_state_dict(state, strict=not tied)
+    if tied:
+        model.tie_weights()
     return model
