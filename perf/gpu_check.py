@@ -31,41 +31,26 @@ SMALL = dict(experts=8, hidden=256, intermediate=128, top_k=2)
 LINEAR_SHAPES = ((12288, 2048), (2048, 4096), (1024, 2048))  # DeltaNet in_proj_qkvz, o_proj, shared gate_up
 
 
-def random_weight(count: int | None, out: int, inp: int, device: str):
-    """Random codes and metadata in the stored layout (rounding real-width experts takes minutes)."""
-    import torch
-
-    from a3b_backend.quant.format import A3BWeight, stored_tensors
-
-    lead = () if count is None else (count,)
-    specs = stored_tensors(out, inp, (1, 128))
-    ranges = {"packed": (0, 256), "lo": (-127, 128), "step": (0, 256), "delta": (0, 256)}
-    tensors = {kind: torch.randint(*ranges[kind], (*lead, *specs[kind].shape), device=device).to(specs[kind].dtype)
-               for kind in ranges}
-    tensors.update({kind: torch.full((*lead, *specs[kind].shape), value, dtype=torch.bfloat16, device=device)
-                    for kind, value in (("lo_scale", 2e-4), ("step_scale", 1e-4))})
-    return A3BWeight.for_kernels(tensors, out, inp)
-
-
 def check_ops(device: str, sizes: dict, shapes: tuple[tuple[int, int], ...]) -> None:
     """The ops against the reference; on CUDA under sync-debug "error", then in a CUDA graph."""
     import torch
 
     from a3b_backend.quant.format import A3BConfig, dequantize
+    from a3b_kernels.reference import random_weight
     from a3b_kernels.triton import ops
 
     config = A3BConfig(1, 128)
     cuda = device == "cuda"
     calls = []
     for out, inp in shapes:
-        weight = random_weight(None, out, inp, device)
+        weight = random_weight(None, out, inp, device=device)
         reference = dequantize(weight.to("cpu"), config).to(device)
         for rows in (1, 8):
             x = torch.randn(rows, inp, device=device, dtype=torch.bfloat16)
             calls.append((f"gpu_linear {out}x{inp} M={rows}",
                           lambda x=x, w=weight: ops.gpu_linear(x, *w.kernel_tensors(), 128), x.float() @ reference.T))
     e, h, i, k = sizes["experts"], sizes["hidden"], sizes["intermediate"], sizes["top_k"]
-    w13, w2 = random_weight(e, 2 * i, h, device), random_weight(e, h, i, device)
+    w13, w2 = random_weight(e, 2 * i, h, device=device), random_weight(e, h, i, device=device)
     for tokens in (1, 8):
         x = torch.randn(tokens, h, device=device, dtype=torch.bfloat16)
         top, ids = torch.softmax(torch.randn(tokens, e, device=device), -1).topk(k, -1)

@@ -13,6 +13,7 @@ import torch  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from a3b_backend.quant.format import KERNEL_KINDS, A3BConfig, quantize, stack, stored_tensors  # noqa: E402
+from a3b_kernels.reference import random_weight  # noqa: E402
 from a3b_kernels.triton import a3b_matmul, a3b_moe, ops  # noqa: E402
 
 CONFIG = A3BConfig(1, 128, iterations=1)
@@ -93,23 +94,6 @@ def test_the_linear_host_code_runs_on_fake_tensors_at_qwen_shapes(monkeypatch, r
     assert tuple(y.shape) == (rows, out)
 
 
-def random_experts(count: int, out: int, inp: int, generator: torch.Generator):
-    """A stack of A3B experts with random codes and metadata at real sizes, without quantizing
-    (rounding 256 real-width experts takes minutes)."""
-    from a3b_backend.quant.format import A3BWeight
-
-    specs = stored_tensors(out, inp, CONFIG.block)
-
-    def codes(kind, low, high):
-        return torch.randint(low, high, (count, *specs[kind].shape), generator=generator).to(specs[kind].dtype)
-
-    tensors = {"packed": codes("packed", 0, 256), "lo": codes("lo", -127, 128), "step": codes("step", 0, 256),
-               "delta": codes("delta", 0, 256),
-               "lo_scale": torch.full((count, *specs["lo_scale"].shape), 2e-4, dtype=torch.bfloat16),
-               "step_scale": torch.full((count, *specs["step_scale"].shape), 1e-4, dtype=torch.bfloat16)}
-    return A3BWeight.for_kernels(tensors, out, inp)
-
-
 def expert_output(x: torch.Tensor, w13, w2, expert: int) -> torch.Tensor:
     from a3b_backend.quant.format import dequantize
 
@@ -125,7 +109,7 @@ def test_the_moe_op_follows_vllms_routing_contract_at_qwen_shape():
     two add up to the whole. The shared expert is not the op's: vLLM adds it outside."""
     e, h, i, k = QWEN["experts"], QWEN["hidden"], QWEN["intermediate"], QWEN["top_k"]
     generator = torch.Generator().manual_seed(3)
-    w13, w2 = random_experts(e, 2 * i, h, generator), random_experts(e, h, i, generator)
+    w13, w2 = random_weight(e, 2 * i, h, generator=generator), random_weight(e, h, i, generator=generator)
     x = torch.randn(3, h, generator=generator)
     probabilities = torch.softmax(x @ torch.randn(e, h, generator=generator).T / h**0.5, dim=-1)
     top, ids = probabilities.topk(k, dim=-1)

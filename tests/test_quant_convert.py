@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from a3b_backend.quant.checkpoint import INPUT_SCALES_FILE, ROW_DIVISORS_FILE
 
 from a3b_backend.quant.convert import ConversionError, convert, fold_norm_scale
-from a3b_backend.quant.dequantized import stored_tensors
+from a3b_backend.quant.dequantized import float_model, stored_tensors
 from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
 from a3b_backend.quant.tune import TuneConfig
 
@@ -62,20 +62,6 @@ def test_converts_dense_and_moe(tmp_path, model_type, extra, expected):
     assert config["quantization_config"]["block_shape"] == [1, 32]
 
 
-def _dequantized_model(dst: Path, src: Path):
-    """The source architecture with dst's tensors, A3B weights dequantized."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    stored = tensors(dst)
-    state = {}
-    for name in model.state_dict():
-        state[name] = (dequantize(A3BWeight.from_tensors(stored, name), CONFIG) if f"{name}_packed" in stored
-                       else stored.get(name, model.state_dict()[name]).float())
-    model.load_state_dict(state)
-    return model
-
-
 @pytest.mark.parametrize("model_type, extra, norm", [
     ("llama", {}, "model.layers.0.input_layernorm.weight"),
     # zero-centred norms; its full-attention layer's q/k/v fold into input_layernorm
@@ -98,7 +84,7 @@ def test_calibrated_checkpoint_computes_what_the_source_does(tmp_path, tokenizer
     ids = torch.tensor([tokenizer.encode("A lazy dog sleeps in the sun all day.")])
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids).logits
-        got = _dequantized_model(dst, src)(ids).logits
+        got = float_model(dst)(ids).logits
     assert ((got - ref).norm() / ref.norm()) < 0.1
     assert not torch.equal(tensors(dst)[norm], tensors(src)[norm])
     # the scales the norm absorbed are kept, one per linear reading it
@@ -127,7 +113,7 @@ def test_gptq_rounded_checkpoint_computes_what_the_source_does(tmp_path, tokeniz
     ids = torch.tensor([tokenizer.encode("A lazy dog sleeps in the sun all day.")])
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids).logits
-        got = _dequantized_model(gptq, src)(ids).logits
+        got = float_model(gptq)(ids).logits
     # a sanity bound: on a tiny random model calibrated on one repeated sentence, nearest rounding
     # lands at ~0.09 and gptq at ~0.13 (its Hessian is fitted to that sentence)
     assert ((got - ref).norm() / ref.norm()) < 0.2

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_quant_convert import CONFIG, QWEN35, _dequantized_model, tensors, tiny
+from test_quant_convert import CONFIG, QWEN35, tensors, tiny
 
 from a3b_backend.prepare.qwen_tiny import real_layout
 from a3b_backend.quant import calibrate, sequential
+from a3b_backend.quant.dequantized import float_model
 from a3b_backend.quant.convert import ConversionError, convert
 from a3b_backend.quant.tune import BLOCK_WISE, TuneConfig
 
@@ -88,15 +89,13 @@ def test_layer_pipeline_writes_a_checkpoint_that_computes_what_the_source_does(t
             save_file({n.replace("model.language_model.", "model.", 1): t for n, t in tensors(out).items()
                        if not n.startswith("mtp.")}, renamed / "model.safetensors")
             (renamed / "config.json").write_text((out / "config.json").read_text())
-            relative[name] = float((_dequantized_model(renamed, text_only)(ids).logits - ref).norm() / ref.norm())
+            relative[name] = float((float_model(renamed)(ids).logits - ref).norm() / ref.norm())
     assert relative["layers"] < 0.2 and relative["layers"] < 1.5 * relative["whole"]
 
 
 def test_block_wise_tuning_brings_the_output_closer_to_the_source(tmp_path, tokenizer, text):
     """Each layer's dense linears' metadata tuned against the layer's float output lowers the whole
     model's error; the config says so, and the 4-bit codes stay."""
-    from a3b_backend.quant.dequantized import float_model
-
     src = checkpoint(tmp_path, tokenizer, "qwen3_5_moe_text", QWEN35, published=True)
     ids = torch.tensor([tokenizer.encode(TEXT[:600])])
     with torch.no_grad():
