@@ -7,14 +7,15 @@ import concurrent.futures
 import json
 import queue
 import re
+import time
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from a3b_backend.bench import server_process
+from a3b_backend.bench import perf_inputs, server_process
 from a3b_backend.profiles import PROJECT_ROOT, get_profile
-from served import http_post, sse_events, stream_infer, tensor, text_request, texts
+from served import http_post, metric, scrape, sse_events, stream_infer, tensor, text_request, texts
 
 pytestmark = pytest.mark.served
 PROFILE = get_profile("qwen-tiny")
@@ -144,6 +145,48 @@ def test_cancelling_one_stream_leaves_the_others_unchanged(qwen_server, chat_ids
         cancelled.result()
     for tokens, (solo_tokens, solo_steps) in zip(together, solo):
         assert_same_up_to_a_tie(tokens, solo_tokens, solo_steps)
+
+
+# Long enough to span chunked prefill and many hybrid cache blocks, short
+# enough for make test (its prefill takes ~13 s here); 86K and 130K run in
+# make bench-long-context.
+LONG_DOCUMENT_TOKENS = 16384
+
+
+def cached_prompt_tokens(server, before: float) -> float:
+    """The rise of a3b_prompt_tokens_cached_total since `before`, once the engine's
+    statistics for the finished request have been recorded."""
+    deadline = time.monotonic() + 5
+    while True:
+        rise = metric(scrape(server.metrics_port), "a3b_prompt_tokens_cached_total") - before
+        if rise > 0 or time.monotonic() > deadline:
+            return rise
+        time.sleep(0.2)
+
+
+def test_a_long_document_streams_and_its_second_use_hits_the_prefix_cache(qwen_server):
+    """A 16K-token document through the ensemble: the token count arrives whole, the
+    streamed text equals the non-streamed one, and from the document's second use on
+    its prefill comes from the prefix cache (attention KV and DeltaNet state both)."""
+    corpus = perf_inputs.Corpus(perf_inputs.tokenizer_for(PROFILE, PROJECT_ROOT))
+    document = corpus.text_of_length(LONG_DOCUMENT_TOKENS)
+    prompts = [f"{document}\n\nQuestion: {q}\nAnswer:" for q in ("What is a coroutine?", "Who may copy it?")]
+    sampling = {"temperature": 0, "max_tokens": 8}
+    before = metric(scrape(qwen_server.metrics_port), "a3b_prompt_tokens_cached_total")
+    streamed, error = stream_infer(qwen_server.grpc_url, "ensemble", text_request(
+        prompts[0], True, sampling, chat=False, return_num_input_tokens=True, exclude_input_in_output=True))
+    assert error is None, error
+    assert int(streamed[0]["num_input_tokens"][0]) == len(corpus.tokenizer.encode(prompts[0]))
+    assert cached_prompt_tokens(qwen_server, before) == 0
+    for prompt, expected in ((prompts[0], "".join(texts(streamed))), (prompts[1], None)):
+        before = metric(scrape(qwen_server.metrics_port), "a3b_prompt_tokens_cached_total")
+        whole, error = stream_infer(qwen_server.grpc_url, "ensemble", text_request(
+            prompt, False, sampling, chat=False, exclude_input_in_output=True))
+        assert error is None, error
+        if expected is not None:
+            assert texts(whole) == [expected]
+        # every whole hybrid block (640 tokens) of the shared document
+        assert cached_prompt_tokens(qwen_server, before) >= LONG_DOCUMENT_TOKENS - 640
 
 
 def test_prompt_beyond_the_profiles_context_is_refused(qwen_server):
