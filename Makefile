@@ -10,7 +10,7 @@ ifeq ($(origin PROFILE),command line)
 $(error PROFILE=$(PROFILE) is not read: name the profile with A3B_PROFILE=$(PROFILE), as make serve does)
 endif
 
-.PHONY: setup model model-qwen serve test test-distributed test-slow test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust bench-overload bench-serving-path bench-serving-cpu bench-overhead bench-overhead-goal overhead-runs bench-prefix-cache bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu gpu-check gpu-check-dry-run profile-gpu kv-report quality quant-tools compare-quant bench-convert-scale bench-qwen-fidelity bench-calibration-budget clean
+.PHONY: setup model model-qwen serve test test-distributed test-slow test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust locust-rag bench-overload bench-serving-path bench-serving-cpu bench-overhead bench-overhead-goal overhead-runs bench-prefix-cache bench-long-context bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu gpu-check gpu-check-dry-run profile-gpu kv-report quality quant-tools compare-quant bench-convert-scale bench-qwen-fidelity bench-calibration-budget clean
 
 setup:
 	bash scripts/setup.sh
@@ -92,12 +92,28 @@ aiperf: need-venv perf-tools
 LOCUST_HOST ?= http://localhost:8000
 locust: perf-tools
 	mkdir -p perf/results/locust
-	.venv-genai/bin/locust -f perf/locustfile.py --host $(LOCUST_HOST) --headless -u 4 -r 2 -t 60s \
+	.venv-genai/bin/locust -f perf/locustfile.py EnsembleUser --host $(LOCUST_HOST) --headless -u 4 -r 2 -t 60s \
 	  --csv perf/results/locust/ensemble --only-summary
+
+# The profile's RAG mix (its perf input file: one shared document, a question each) over HTTP
+# generate_stream, one request per LOCUST_RAG_INTERVAL_S per user, against the running server
+LOCUST_RAG_USERS ?= 2
+LOCUST_RAG_TIME ?= 300s
+locust-rag: need-venv perf-tools
+	$(PY) -m a3b_backend.bench.perf_inputs --profile $(A3B_PROFILE) --out perf/inputs/$(A3B_PROFILE) --length 128 --flavour vllm
+	mkdir -p perf/results/locust_rag/$(A3B_PROFILE)
+	LOCUST_RAG_INPUT=$$(ls perf/inputs/$(A3B_PROFILE)/rag*_vllm.json) .venv-genai/bin/locust -f perf/locustfile.py RagUser \
+	  --host $(LOCUST_HOST) --headless -u $(LOCUST_RAG_USERS) -r $(LOCUST_RAG_USERS) -t $(LOCUST_RAG_TIME) \
+	  --csv perf/results/locust_rag/$(A3B_PROFILE)/rag --only-summary
 
 # admitted-request latency and refusals past the admission limit, against the running server
 bench-overload: need-venv perf-tools
 	$(PY) perf/overload.py --profile $(A3B_PROFILE) --url $(PERF_URL)
+
+# qwen-tiny served at 1K..130K-token prompts (gRPC and HTTP), the 86K RAG mix through the
+# prefix cache, a cancelled 130K prefill: perf/results/long_context/ (its own server)
+bench-long-context: setup model-qwen
+	$(PY) perf/long_context.py
 
 # TTFT on the RAG mix with and without prefix caching (its own engines)
 bench-prefix-cache: setup model

@@ -14,6 +14,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import np_to_triton_dtype
 
+from a3b_backend.bench.server_process import scrape_metrics as scrape  # noqa: F401 (the served tests' name)
+
 GREEDY = {"temperature": 0, "max_tokens": 32}
 CAPITAL = "What is the capital of France?"
 
@@ -82,18 +84,6 @@ def http_post(url: str, path: str, body: dict, timeout_s: float = 120) -> tuple[
 
 def sse_events(raw: bytes) -> list[dict]:
     return [json.loads(line[len(b"data: "):]) for line in raw.splitlines() if line.startswith(b"data: ")]
-
-
-def scrape(metrics_port: int) -> dict[str, float]:
-    """Prometheus text from the metrics port -> {'name{labels}': value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
-        body = r.read().decode()
-    values = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            values[key] = float(value)
-    return values
 
 
 def metric(values: dict[str, float], name: str, model: str = "a3b_llm") -> float:

@@ -89,6 +89,13 @@ def engine_run_queue_wait_s(root) -> dict[str, float]:
     return totals
 
 
+def scrape_metrics(metrics_port: int) -> dict[str, float]:
+    """Prometheus text from a local metrics port -> {'name{labels}': value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return {key: float(value) for key, _, value in (line.rpartition(" ") for line in lines if line and line[0] != "#")}
+
+
 class Server:
     def __init__(self, http_port: int, grpc_port: int, metrics_port: int, proc: subprocess.Popen, log: Path):
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
