@@ -6,7 +6,7 @@ import numpy as np
 
 from a3b_backend.serving.llm import Step, request_arrays, step_arrays
 from a3b_backend.serving.postprocess import step_outputs
-from a3b_backend.serving.triton import CancellationForwarder, PollSchedule
+from a3b_backend.serving.triton import CancellationForwarder, PollSchedule, QuietStreamWatch
 
 
 def step(tokenizer, context, new, finish="", stop_reason="", echo="", stop=()):
@@ -84,3 +84,34 @@ def test_cancellation_is_asked_only_for_identified_streams_when_due():
     forwarder.check(request, ids)
     forwarder.check(request, ids)  # within the poll interval
     assert request.asked == 1
+
+
+def test_a_quiet_stream_is_asked_about_cancellation_and_aborted_once():
+    """No output for poll_s (a long prefill): Triton is asked; once cancelled, one abort and the watch ends."""
+    import asyncio
+
+    answers, aborted = iter([False, True]), []
+
+    async def abort():
+        aborted.append(True)
+
+    watch = QuietStreamWatch(lambda: next(answers), abort, poll_s=0.01)
+    asyncio.run(asyncio.wait_for(watch.run(), timeout=5))
+    assert aborted == [True]
+
+
+def test_a_stream_that_keeps_sending_is_not_asked_by_the_watch():
+    import asyncio
+
+    request = _Request()
+
+    async def stream():
+        watch = QuietStreamWatch(request.is_cancelled, lambda: asyncio.sleep(0), poll_s=0.05)
+        task = asyncio.ensure_future(watch.run())
+        for _ in range(20):  # an output every 10 ms for 0.2 s
+            watch.output()
+            await asyncio.sleep(0.01)
+        task.cancel()
+
+    asyncio.run(stream())
+    assert request.asked == 0

@@ -173,6 +173,30 @@ def test_cancelled_ensemble_streams_abort_the_engine(server):
     assert metric(values, "a3b_generation_tokens_total") - before < 20 * 2000 / 10
 
 
+def test_a_stream_cancelled_during_its_prefill_is_aborted_then(server):
+    """A long prompt sends nothing until its prefill ends (seconds here, minutes at 128K):
+    its cancellation is noticed without an engine output, and the engine drops the
+    request at its next step instead of prefilling on."""
+    inputs = {"input_ids": np.arange(1000, 1000 + 7000, dtype=I32), "stream": True,
+              "sampling_parameters": j(max_tokens=16, ignore_eos=True)}
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.async_stream_infer("a3b_llm", [tensor(k, v) for k, v in inputs.items()])
+    time.sleep(3)  # well inside the ~30 s prefill
+    assert results.empty()
+    cancelled = time.monotonic()
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    time.sleep(1)  # the watch notices within its 0.5 s poll
+    _, error = stream_infer(server.grpc_url, "a3b_llm", {"input_ids": np.array([1, 2, 3], I32),
+                                                          "sampling_parameters": j(max_tokens=1)})
+    assert error is None
+    # behind a prefill left running it would have waited ~25 s more
+    assert time.monotonic() - cancelled < 10
+    assert metric(_engine_idle(server), "a3b_num_requests_running") == 0
+
+
 def test_dropped_http_stream_stops_the_generation(server):
     import http.client
 

@@ -4,11 +4,12 @@ handling, the tokenizer the models load, and forwarding client cancellation.
 """
 from __future__ import annotations
 
+import asyncio
 import locale
 import time
 from collections import OrderedDict, deque
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -93,6 +94,29 @@ class PollSchedule:
         if len(self._next_poll) > self._remembered:
             self._next_poll.popitem(last=False)
         return True
+
+
+class QuietStreamWatch:
+    """Notices a client's cancellation while a stream sends nothing: during a
+    long prefill (minutes at 128K on a CPU) no engine output arrives, so the
+    check made at each output never runs. Every `poll_s` without an output, it
+    asks Triton whether the request was cancelled and, if so, aborts it; the
+    engine then drops it at its next step (one prefill chunk)."""
+
+    def __init__(self, is_cancelled: Callable[[], bool], abort: Callable[[], Awaitable[None]], poll_s: float = 0.5):
+        self._is_cancelled, self._abort, self._poll_s = is_cancelled, abort, poll_s
+        self._last_output = time.monotonic()
+
+    def output(self) -> None:
+        """The stream sent something: it is not quiet."""
+        self._last_output = time.monotonic()
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_s)
+            if time.monotonic() - self._last_output >= self._poll_s and self._is_cancelled():
+                await self._abort()
+                return
 
 
 class CancellationForwarder:

@@ -80,10 +80,13 @@ class TritonPythonModel:
         llm_request = tracker.request
         per_request = request_arrays(postprocess_config, request_id)
         sent_final = False
+        quiet = triton.QuietStreamWatch(sender.is_cancelled, lambda: self.host.abort(request_id))
+        watch = asyncio.ensure_future(quiet.run())
         try:
             outputs = self.host.generate(request_id, llm_request.prompt_ids, llm_request.sampling_params(),
                                          lora_request)
             async for output in pacing.paced(outputs, self.pacing, lambda: self.host.in_flight):
+                quiet.output()
                 if self.cancel_polls.due(request_id, time.monotonic()) and sender.is_cancelled():
                     await self.host.abort(request_id)
                     break
@@ -107,6 +110,7 @@ class TritonPythonModel:
                         flags=FINAL)
             sent_final = True
         finally:
+            watch.cancel()
             if not sent_final:
                 sender.send(flags=FINAL)
 
