@@ -7,13 +7,16 @@ Steps, in order, each timed; the run stops at the first failure and says which:
      in a CUDA graph and replayed (what vLLM's compiled engine does);
   2. tests/test_kernels_cuda.py (builds the CUDA C++ extension, checks it on fresh inputs);
   3. perf/gpu_kernels.py: every kernel against its reference, then the timings, to
-     perf/results/gpu/ (md, JSON, PNG, with the device's name).
+     perf/results/gpu/ (md, JSON, PNG, with the device's name);
+  4. a3b-quantize --pipeline layers --device cuda on a tiny Qwen3.5-MoE checkpoint against the same
+     conversion on the CPU (tests/test_quant_sequential.py; its tokenizer fixture reads the default
+     model's tokenizer files: carry models/smollm2-135m-instruct/tokenizer.json and tokenizer_config.json).
 
     python perf/gpu_check.py [--dry-run]
 
 --dry-run (any machine): prints the plan, runs step 1 on the CPU under Triton's interpreter at small
 sizes (eager only: no sync-debug mode, no graphs) and step 3 as `perf/gpu_kernels.py --smoke`;
-step 2 needs a GPU and is listed only. No GPU duration has been measured yet.
+steps 2 and 4 need a GPU and are listed only. No GPU duration has been measured yet.
 """
 from __future__ import annotations
 
@@ -115,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     smoke = ["--smoke", "--out", tempfile.mkdtemp(prefix="gpu-check-dry-run-")] if args.dry_run else []
     run("3. kernel checks and timings", [sys.executable, "perf/gpu_kernels.py", *smoke])
     timings["kernel checks and timings"] = time.perf_counter() - started
+    gpu_conversion = [sys.executable, "-m", "pytest", "-q", "tests/test_quant_sequential.py", "-k", "on_the_gpu"]
+    if args.dry_run:
+        print("==> 4. a conversion with --device cuda: needs a GPU (listed only)", flush=True)
+    else:
+        started = time.perf_counter()
+        run("4. conversion on the GPU", gpu_conversion)
+        timings["conversion on the GPU"] = time.perf_counter() - started
     print("gpu-check " + ("dry run " if args.dry_run else "") + "passed: "
           + ", ".join(f"{step} {seconds:.0f} s" for step, seconds in timings.items()))
     return 0

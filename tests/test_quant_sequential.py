@@ -156,6 +156,34 @@ def test_refusals(tmp_path, tokenizer, text):
     assert not (tmp_path / "out2").exists()
 
 
+def test_a_device_this_host_lacks_is_refused_naming_it(tmp_path, tokenizer, text):
+    src = checkpoint(tmp_path, tokenizer, "llama", {})
+    with pytest.raises(ConversionError, match=r"--device 'tpu': allowed are cpu \(the default\) and cuda or cuda:N"):
+        sequential.convert_layers(src, tmp_path / "out", CONFIG, text, 512, "nearest", device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConversionError, match=r"--device cuda: torch .* sees no CUDA GPU on this host"):
+            sequential.convert_layers(src, tmp_path / "out", CONFIG, text, 512, "nearest", device="cuda")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="--device cuda needs a CUDA GPU")
+def test_a_conversion_on_the_gpu_computes_what_the_cpus_does(tmp_path, tokenizer, text):
+    """Each layer calibrated and rounded (error-compensating, experts on their own tokens) on the GPU:
+    the same tensors, and a model as close to its source as the CPU's conversion (float sums differ
+    between the devices, so a few codes may too)."""
+    src = checkpoint(tmp_path, tokenizer, "qwen3_5_moe_text", QWEN35)
+    on = {device: sequential.convert_layers(src, tmp_path / device, CONFIG, text, 1024, device=device)
+          for device in ("cpu", "cuda")}
+    assert set(tensors(on["cuda"])) == set(tensors(on["cpu"]))
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([tokenizer.encode("A lazy dog sleeps in the sun all day.")])
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids).logits
+        error = {d: float((float_model(dst)(ids).logits - ref).norm() / ref.norm()) for d, dst in on.items()}
+    assert error["cuda"] < 1.2 * error["cpu"] + 1e-3, error
+
+
 def test_too_little_disk_is_refused_before_anything_runs(tmp_path, tokenizer, text, monkeypatch):
     import types
 

@@ -1,7 +1,7 @@
 """a3b-quantize: HF safetensors checkpoint -> A3B checkpoint, one tensor at a time.
 
     a3b-quantize SRC_DIR DST_DIR [--block-shape R C] [--calibration-text FILE | --uncalibrated]
-                 [--calibration-tokens N] [--rounding nearest|gptq] [--pipeline model|layers]
+                 [--calibration-tokens N] [--rounding nearest|gptq] [--pipeline model|layers [--device cuda]]
 
 Linear weights of the decoder layers (attention, MLP, MoE experts, shared
 experts, Gated DeltaNet projections) become A3B tensors; embeddings, norms,
@@ -403,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"default {TuneConfig.epochs}) or block-wise (--pipeline layers, default 0: on "
                              f"qwen-tiny with outlier channels it raised the excess NLL, make bench-qwen-fidelity); "
                              f"0: none")
+    parser.add_argument("--device", default="cpu",
+                        help="--pipeline layers: where each layer is calibrated and rounded, cpu or cuda[:N] "
+                             "(default cpu)")
     parser.add_argument("--pipeline", choices=("model", "layers"), default="model",
                         help="model: calibrate with the whole model in memory (and tune end to end); layers: one "
                              "decoder layer at a time in bounded memory, resumable, tuned block-wise "
@@ -415,12 +418,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ConversionError(f"--block-shape: {problem}; --cpu-only-blocks writes it for the CPU kernels alone")
         if args.pipeline == "layers" and args.uncalibrated:
             raise ConversionError("--pipeline layers calibrates: it cannot run --uncalibrated")
+        if args.pipeline == "model" and args.device != "cpu":
+            raise ConversionError(f"--device {args.device} needs --pipeline layers (the whole-model pipeline runs "
+                                  "on the CPU)")
         with calibration_file(args.calibration_text, args.uncalibrated) as text:
             if args.pipeline == "layers":
                 from a3b_backend.quant.sequential import convert_layers
 
                 convert_layers(args.src, args.dst, config, text, args.calibration_tokens, args.rounding or "gptq",
-                               dataclasses.replace(BLOCK_WISE, epochs=args.tune_epochs or 0))
+                               dataclasses.replace(BLOCK_WISE, epochs=args.tune_epochs or 0), args.device)
             else:
                 convert(args.src, args.dst, config, text, args.calibration_tokens, args.rounding,
                         TuneConfig() if args.tune_epochs is None else TuneConfig(epochs=args.tune_epochs))

@@ -19,6 +19,10 @@ activations, in the order llm-compressor's sequential pipeline, AutoRound and GP
 
 Resumable: after each layer, DST.partial holds its shard, the hidden states and the
 progress; the same command after an interruption continues with the next layer.
+
+--device cuda runs step 2 on a GPU: the layer, its windows' hidden states and call arguments
+are moved there, what the step allocates goes there (a torch.device context), and the
+hidden states come back to the host after each layer (they are saved for resuming).
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.utils._pytree import tree_map_only
 from tqdm import tqdm
 
 from a3b_backend.quant import calibrate, checkpoint, tune
@@ -175,6 +180,28 @@ def load_layer(layer: torch.nn.Module, source: Source, index: int) -> tuple[torc
     return layer.requires_grad_(False), expert_names
 
 
+def on_device(value, device: torch.device):
+    """The tensors anywhere in `value` (a layer's call arguments: rotary cos/sin, masks, positions) on `device`."""
+    return tree_map_only(torch.Tensor, lambda t: t.to(device), value)
+
+
+def check_device(device: str) -> torch.device:
+    """--device as a torch device this host has: the CPU, or a CUDA GPU torch sees."""
+    try:
+        chosen = torch.device(device)
+    except RuntimeError:
+        chosen = None
+    if chosen is None or chosen.type not in ("cpu", "cuda"):
+        raise ConversionError(f"--device {device!r}: allowed are cpu (the default) and cuda or cuda:N")
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise ConversionError(f"--device {device}: torch {torch.__version__} sees no CUDA GPU on this host "
+                              f"(built for CUDA: {torch.version.cuda or 'no'}); leave --device out for the CPU")
+    if chosen.type == "cuda" and chosen.index is not None and chosen.index >= torch.cuda.device_count():
+        raise ConversionError(f"--device {device}: this host has {torch.cuda.device_count()} CUDA GPU(s), "
+                              f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    return chosen
+
+
 def _output(out: torch.Tensor | tuple) -> torch.Tensor:
     """A decoder layer's hidden states, whichever form its forward returns."""
     return out[0] if isinstance(out, tuple) else out
@@ -242,7 +269,8 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
             continue
         module = source.layout.module(name.removesuffix(".weight"))
         tensor = source.read(name)
-        out[name] = fold_norm_scale(tensor, per_norm[module], zero_centred) if module in per_norm else tensor
+        out[name] = (fold_norm_scale(tensor.to(per_norm[module].device), per_norm[module], zero_centred).cpu()
+                     if module in per_norm else tensor)
     rounded = time.perf_counter()
     if tune_config.epochs > 0 and dense:
         folds = {name: (per_linear[prefix + name].scale, per_linear[prefix + name].row_divisor) for name in dense}
@@ -255,11 +283,12 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
             parent, attr = name.rsplit(".", 1)
             setattr(layer.get_submodule(parent), attr, linears[name])
             store(name, q)
-    scales = {f"{field}:{module}": scale.clone()
+    scales = {f"{field}:{module}": scale.cpu().clone()
               for field, by_module in folded_scales(per_linear).items() for module, scale in by_module.items()}
     seconds = {"statistics": recorded - started, "rounding": rounded - recorded,
                "tuning": time.perf_counter() - rounded}
-    return LayerResult(out, scales, fallbacks, compensated, projections, seconds)
+    return LayerResult({name: tensor.cpu() for name, tensor in out.items()}, scales, fallbacks, compensated,
+                       projections, seconds)
 
 
 def windows_of(src: Path, text_path: Path, tokens: int) -> list[torch.Tensor]:
@@ -270,7 +299,8 @@ def windows_of(src: Path, text_path: Path, tokens: int) -> list[torch.Tensor]:
 
 def fingerprint(src: Path, text_path: Path, tokens: int, config: A3BConfig, rounding: Rounding,
                 tune_config: TuneConfig) -> str:
-    """What an interrupted run must share with this one for its layers to be kept."""
+    """What an interrupted run must share with this one for its layers to be kept (not the device:
+    a conversion interrupted on a GPU host may go on on the CPU)."""
     digest = hashlib.sha256()
     text = hashlib.sha256(text_path.read_bytes()).hexdigest()
     for part in (str(src.resolve()), (src / "config.json").read_text(), text, tokens,
@@ -297,7 +327,8 @@ def _save_atomic(write, path: Path) -> None:
 
 
 def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Path, calibration_tokens: int = 2048,
-                   rounding: Rounding = "gptq", tune_config: TuneConfig = BLOCK_WISE) -> Path:
+                   rounding: Rounding = "gptq", tune_config: TuneConfig = BLOCK_WISE, device: str = "cpu") -> Path:
+    target = check_device(device)
     model_config = check_paths(src, dst)
     check_disk(src, dst)
     source = Source.open(src)
@@ -324,13 +355,17 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
         for index in bar:
             started = time.perf_counter()
             layer, expert_names = load_layer(layers[index], source, index)
-            result = quantize_layer(layer, index, source, hidden, calls[index], config, rounding, zero_centred,
-                                    expert_names, tune_config)
-            passing_on = time.perf_counter()
-            hidden = run_layer(layer, hidden, calls[index])
+            layer.to(target)
+            layer_calls, layer_hidden = on_device(calls[index], target), on_device(hidden, target)
+            # a torch.device context intercepts every torch call: entered only where allocations must move
+            with target if target.type != "cpu" else contextlib.nullcontext():
+                result = quantize_layer(layer, index, source, layer_hidden, layer_calls, config, rounding,
+                                        zero_centred, expert_names, tune_config)
+                passing_on = time.perf_counter()
+                hidden = [h.cpu() for h in run_layer(layer, layer_hidden, layer_calls)]
             passed_on = time.perf_counter() - passing_on
             layers[index] = None
-            del layer  # before the next is loaded: one layer in memory at a time
+            del layer, layer_calls, layer_hidden  # before the next is loaded: one layer in memory at a time
             _trim_heap()
             _save_atomic(lambda p: save_file(result.tensors, p, metadata={"format": "pt"}),
                          partial / LAYER_SHARD(index))
