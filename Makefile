@@ -73,7 +73,7 @@ need-venv:
 # perf_analyzer sweep of the profile's plan against the running server (`make serve`), report under perf/results/
 PERF_URL ?= localhost:8001
 perf: need-venv perf-tools
-	$(PY) perf/run_perf.py --profile $(A3B_PROFILE) --url $(PERF_URL)
+	$(PY) perf/run_perf.py --profile $(A3B_PROFILE) --url $(PERF_URL) $(PERF_ARGS)
 
 # genai-perf with its stock payloads against `ensemble`, in both request flavours
 genai-perf: need-venv perf-tools

@@ -166,6 +166,12 @@ def test_perf_plans_stream_with_count_windows_and_never_repeat_a_prompt(tmp_path
     files = run_perf.run_inputs(cpu, inputs, tmp_path)
     firsts = [json.loads(files[r.stem].read_text())["data"][0]["text_input"][0] for r in cpu]
     assert firsts == ["0", str(cpu[0].requests)]
+    # --resume keeps only whole exports
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps(_export([{"timestamp": 0, "response_timestamps": [1], "response_outputs": [{}]}])))
+    cut = tmp_path / "cut.json"
+    cut.write_text(whole.read_text()[:40])
+    assert run_perf.exported(whole) and not run_perf.exported(cut) and not run_perf.exported(tmp_path / "none.json")
 
 
 def test_gpu_kernel_benchmark_reports_tables_goals_and_a_plot(tmp_path):
