@@ -105,6 +105,8 @@ locust-rag: need-venv perf-tools
 	LOCUST_RAG_INPUT=$$(ls perf/inputs/$(A3B_PROFILE)/rag*_vllm.json) .venv-genai/bin/locust -f perf/locustfile.py RagUser \
 	  --host $(LOCUST_HOST) --headless -u $(LOCUST_RAG_USERS) -r $(LOCUST_RAG_USERS) -t $(LOCUST_RAG_TIME) \
 	  --csv perf/results/locust_rag/$(A3B_PROFILE)/rag --only-summary
+	$(PY) perf/locust_report.py perf/results/locust_rag/$(A3B_PROFILE)/rag \
+	  --title "RAG mix at a fixed rate, profile $(A3B_PROFILE) (make locust-rag)"
 
 # admitted-request latency and refusals past the admission limit, against the running server
 bench-overload: need-venv perf-tools
