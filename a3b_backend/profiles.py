@@ -206,7 +206,7 @@ class Profile:
 # the user did not give to 128. On a hybrid model that undoes the enlarged
 # (Mamba-page-sized) block the KV cache was built with, so align-mode prefill
 # chunks end on the wrong grid and a document's state is cached only from its
-# third use (docs/performance.md, "Prefix caching on the hybrid model").
+# third use (docs/performance.md, "Long context (128K) on the CPU").
 CPU_KV_BLOCK_SIZE = 128
 # Qwen3.6-35B-A3B's native context (its config.json max_position_embeddings)
 QWEN36_CONTEXT = 262144

@@ -119,14 +119,19 @@ def settled(server: server_process.Server, before: dict[str, float]) -> dict[str
     deadline = time.monotonic() + 5
     while True:
         now = counters(server)
-        if now["running"] == 0 and (now["preprocess_us"] > before["preprocess_us"] or time.monotonic() > deadline):
+        if (now["running"] == 0 and now["preprocess_us"] > before["preprocess_us"]) or time.monotonic() > deadline:
             time.sleep(0.5)
             return counters(server)
         time.sleep(0.2)
 
 
-def values(prompt: str, stream: bool = True) -> dict:
-    return {"text_input": prompt, "stream": stream, "apply_chat_template": True, "exclude_input_in_output": True,
+def mean_gap_ms(stamps: list[int]) -> float:
+    """Mean inter-token latency: the gaps between responses with text, in ms (NaN below two)."""
+    return (stamps[-1] - stamps[0]) / 1e6 / (len(stamps) - 1) if len(stamps) > 1 else math.nan
+
+
+def values(prompt: str) -> dict:
+    return {"text_input": prompt, "stream": True, "apply_chat_template": True, "exclude_input_in_output": True,
             "return_num_input_tokens": True,
             "sampling_parameters": json.dumps({"temperature": 0, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True})}
 
@@ -214,7 +219,7 @@ class Bench:
             stamps, input_tokens, error = send(prompt)
         after = settled(self.server, before)
         ttft = stamps[0] / 1e9 if stamps else math.nan
-        itl = (stamps[-1] - stamps[0]) / 1e6 / (len(stamps) - 1) if len(stamps) > 1 else math.nan
+        itl = mean_gap_ms(stamps)
         m = Measured(label, self.chat_tokens(prompt), input_tokens, ttft, itl, len(stamps),
                      (after["preprocess_us"] - before["preprocess_us"]) / 1e3, int(after["cached"] - before["cached"]),
                      {k: round(v, 3) for k, v in sampler.rss.items()}, sampler.kv, error)
@@ -247,7 +252,7 @@ def rag_run(bench: Bench, document_tokens: int) -> list[Measured]:
         results = list(pool.map(send, together))
     cached = int(settled(bench.server, before)["cached"] - before["cached"])
     for i, ((stamps, input_tokens, error), prompt) in enumerate(zip(results, together)):
-        itl = (stamps[-1] - stamps[0]) / 1e6 / (len(stamps) - 1) if len(stamps) > 1 else math.nan
+        itl = mean_gap_ms(stamps)
         out.append(Measured(f"RAG at concurrency {RAG_CONCURRENCY}, request {i + 1}", bench.chat_tokens(prompt),
                             input_tokens, stamps[0] / 1e9 if stamps else math.nan, itl, len(stamps), math.nan,
                             cached // RAG_CONCURRENCY, {}, math.nan, error))

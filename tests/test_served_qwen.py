@@ -179,7 +179,9 @@ def test_a_long_document_streams_and_its_second_use_hits_the_prefix_cache(qwen_s
     assert int(streamed[0]["num_input_tokens"][0]) == len(corpus.tokenizer.encode(prompts[0]))
     assert cached_prompt_tokens(qwen_server, before) == 0
     for prompt, expected in ((prompts[0], "".join(texts(streamed))), (prompts[1], None)):
-        before = metric(scrape(qwen_server.metrics_port), "a3b_prompt_tokens_cached_total")
+        values = scrape(qwen_server.metrics_port)
+        before = metric(values, "a3b_prompt_tokens_cached_total")
+        hits = metric(values, "a3b_prefix_cache_hits_total")
         whole, error = stream_infer(qwen_server.grpc_url, "ensemble", text_request(
             prompt, False, sampling, chat=False, exclude_input_in_output=True))
         assert error is None, error
@@ -187,6 +189,9 @@ def test_a_long_document_streams_and_its_second_use_hits_the_prefix_cache(qwen_s
             assert texts(whole) == [expected]
         # every whole hybrid block (640 tokens) of the shared document
         assert cached_prompt_tokens(qwen_server, before) >= LONG_DOCUMENT_TOKENS - 640
+        values = scrape(qwen_server.metrics_port)
+        assert metric(values, "a3b_prefix_cache_hits_total") - hits >= LONG_DOCUMENT_TOKENS - 640
+        assert metric(values, "a3b_prefix_cache_queries_total") >= metric(values, "a3b_prefix_cache_hits_total")
 
 
 def test_prompt_beyond_the_profiles_context_is_refused(qwen_server):

@@ -269,7 +269,7 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
             continue
         module = source.layout.module(name.removesuffix(".weight"))
         tensor = source.read(name)
-        out[name] = (fold_norm_scale(tensor.to(per_norm[module].device), per_norm[module], zero_centred).cpu()
+        out[name] = (fold_norm_scale(tensor.to(per_norm[module].device), per_norm[module], zero_centred)
                      if module in per_norm else tensor)
     rounded = time.perf_counter()
     if tune_config.epochs > 0 and dense:
@@ -283,7 +283,7 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
             parent, attr = name.rsplit(".", 1)
             setattr(layer.get_submodule(parent), attr, linears[name])
             store(name, q)
-    scales = {f"{field}:{module}": scale.cpu().clone()
+    scales = {f"{field}:{module}": scale.to("cpu", copy=True)
               for field, by_module in folded_scales(per_linear).items() for module, scale in by_module.items()}
     seconds = {"statistics": recorded - started, "rounding": rounded - recorded,
                "tuning": time.perf_counter() - rounded}
