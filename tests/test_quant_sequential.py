@@ -3,6 +3,8 @@ layer runner against the whole model, the checkpoint it writes, resuming, refusa
 import dataclasses
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -203,3 +205,14 @@ def test_the_rest_is_written_in_bounded_groups(tmp_path, tokenizer):
     assert embedding == source.read("model.embed_tokens.weight").nbytes
     assert sequential.rest_groups(source, limit=embedding) == [["model.norm.weight"], ["lm_head.weight"],
                                                               ["model.embed_tokens.weight"]]
+
+
+def test_a_conversions_peak_memory_is_its_own_not_its_parents():
+    """A conversion started by a process that once held more reports its own peak (getrusage's
+    ru_maxrss would carry the parent's over execve)."""
+    held = torch.ones(2**28)  # 1 GiB, touched
+    assert sequential.peak_rss_gib() >= 1.0
+    del held
+    child = subprocess.run([sys.executable, "-c", "from a3b_backend.quant.sequential import peak_rss_gib; "
+                            "print(peak_rss_gib())"], capture_output=True, text=True, check=True)
+    assert float(child.stdout) < 0.9

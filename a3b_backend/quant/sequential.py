@@ -33,7 +33,6 @@ import hashlib
 import json
 import os
 import re
-import resource
 import shutil
 import time
 from pathlib import Path
@@ -455,4 +454,9 @@ def _trim_heap() -> None:
 
 
 def peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    """This process's resident high-water mark since it started (VmHWM). Not getrusage's ru_maxrss:
+    that survives execve, so a conversion started by a process that once held more reports the
+    parent's peak as its own."""
+    with open("/proc/self/status") as status:
+        kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    return kib / 2**20
