@@ -364,3 +364,28 @@ def test_overhead_over_runs_holds_the_spread_between_runs(tmp_path):
     assert (tmp_path / "out" / "overhead_runs.png").stat().st_size > 0
     with pytest.raises(SystemExit):  # runs of two machines are not pooled
         overhead_runs.main([str(tmp_path / "a"), str(write_run("c", 1.0, "Other CPU, 16 cores"))])
+
+
+def test_gpu_time_estimate_counts_kernels_by_their_bound():
+    """A matmul is FLOP-bound, a large copy byte-bound, a tiny op launch-bound, a view free and a
+    boolean mask a sync."""
+    sys.path.insert(0, str(PROJECT_ROOT / "perf"))
+    import torch
+    from convert_scale import GpuHost, GpuTimeEstimate
+
+    host = GpuHost()
+    a, b, big, tiny = torch.randn(512, 512), torch.randn(512, 512), torch.randn(2**22), torch.randn(4)
+    with GpuTimeEstimate(host) as counted:
+        a @ b
+    assert counted.seconds() == pytest.approx(max(host.kernel_s, 2 * 512**3 / host.flops, 3 * 512**2 * 4 /
+                                                  host.bytes_per_s))
+    with GpuTimeEstimate(host) as counted:
+        big.clone()
+        tiny.view(2, 2)
+        tiny + 1
+        tiny[tiny > 0]
+    assert counted.summary()["kernels"] == 4  # clone, add, gt, the masked index; the view is free
+    assert counted.summary()["syncs"] == 1
+    assert counted.seconds() == pytest.approx(2 * big.numel() * 4 / host.bytes_per_s + 2 * host.kernel_s
+                                              + host.sync_s)
+    assert counted.seconds(scale=2) > counted.seconds()

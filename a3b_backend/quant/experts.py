@@ -14,7 +14,7 @@ block's when it fell back, `calibrate.fill_expert_fallbacks`).
 
 Memory at Qwen3.6-35B-A3B's width: the routed inputs are one copy of the layer's MoE input (128 x
 512 tokens x 2048 in fp32: 0.54 GB), and a group's Hessians are a few experts' (4 x 2048^2 fp32 =
-64 MB), never all 256 at once (4.3 GB).
+64 MB; on a GPU 64 experts, 1 GB), never all 256 at once (4.3 GB).
 """
 from __future__ import annotations
 
@@ -27,10 +27,11 @@ from a3b_backend.quant import calibrate
 from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize, quantize_stack
 from a3b_backend.quant.gptq import quantize_gptq_stack
 
-# Weights rounded per group: 4 experts of 512 x 2048. Larger stacks leave the cache on a CPU
+# Weights rounded per group, by device. A CPU: 4 experts of 512 x 2048; larger stacks leave the cache
 # (bench-convert-scale's throughput table: error-compensating rounding of 4 such experts together
-# against 16).
-GROUP_WEIGHTS = 2**22
+# against 16). A GPU: 64 (their Hessians 1 GB); the column loop launches the same kernels for a group
+# of any size, so on a GPU the time goes with the number of groups (bench-convert-scale's GPU projection).
+GROUP_WEIGHTS = {"cpu": 2**22, "cuda": 2**26}
 # Own tokens per input channel from which error-compensating rounding beats nearest on held-out tokens.
 TOKENS_PER_INPUT = 0.5
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -62,7 +63,7 @@ def round_experts(experts: torch.nn.Module, module: str, checkpoint_name: Callab
     gate_up, down = experts.gate_up_proj, experts.down_proj
     count, width = gate_up.shape[0], gate_up.shape[1] // 2
     weights = {"gate_proj": gate_up[:, :width], "up_proj": gate_up[:, width:], "down_proj": down}
-    group = max(1, GROUP_WEIGHTS // (width * gate_up.shape[2]))
+    group = max(1, GROUP_WEIGHTS[gate_up.device.type] // (width * gate_up.shape[2]))
     tensors, compensated = {}, 0
     for start in range(0, count, group):
         members = range(start, min(count, start + group))
