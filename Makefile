@@ -10,7 +10,7 @@ ifeq ($(origin PROFILE),command line)
 $(error PROFILE=$(PROFILE) is not read: name the profile with A3B_PROFILE=$(PROFILE), as make serve does)
 endif
 
-.PHONY: setup model model-qwen serve test test-distributed test-slow test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust locust-rag bench-overload bench-serving-path bench-serving-cpu bench-overhead bench-overhead-goal overhead-runs bench-prefix-cache bench-long-context bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu gpu-check gpu-check-dry-run profile-gpu kv-report quality quant-tools compare-quant bench-convert-scale bench-qwen-fidelity bench-calibration-budget clean
+.PHONY: setup model model-qwen serve test test-distributed test-slow test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust locust-rag bench-overload bench-serving-path bench-serving-cpu bench-overhead bench-overhead-goal overhead-runs bench-prefix-cache bench-long-context bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu gpu-check gpu-check-dry-run profile-gpu kv-report quality quant-tools compare-quant compare-quant-a3b bench-convert-scale bench-qwen-fidelity bench-calibration-budget clean
 
 setup:
 	bash scripts/setup.sh
@@ -174,6 +174,12 @@ quant-tools:
 # from the same calibration text is there; times in docs/quantization.md)
 compare-quant: setup model quant-tools
 	$(PY) perf/quant_compare/compare.py
+
+# A3B's own rows of compare-quant (no llm-compressor needed): the default pipeline, untuned, the layer
+# pipeline and uncalibrated against bf16 through vLLM (perf/results/quant_compare/a3b/)
+compare-quant-a3b: setup model
+	$(PY) perf/quant_compare/compare.py --only bf16 A3B "A3B, no tuning" "A3B, layer pipeline" "A3B uncalibrated" \
+		--out perf/results/quant_compare/a3b
 
 # a3b-quantize --pipeline layers on random checkpoints of 2 and 4 layers at Qwen3.6-35B-A3B's real width:
 # peak RSS against layers, seconds per layer, rounding throughput, a 40-layer projection (perf/results/convert_scale/)

