@@ -94,14 +94,15 @@ def write_checkpoint(out: Path, layers: int) -> Path:
     return out
 
 
-def convert(src: Path, dst: Path, tokens: int, device: str) -> dict:
-    """One conversion in a process of its own -> its report (its peak RSS: that process's own high-water
-    mark, which getrusage of the child would not give: ru_maxrss carries this process's over execve)."""
+def convert(src: Path, dst: Path, tokens: int, device: str, text: Path | None) -> dict:
+    """One conversion in a process of its own, on `text` (None: a3b-quantize's built-in) -> its report (its
+    peak RSS: that process's own high-water mark, which getrusage of the child would not give: ru_maxrss
+    carries this process's over execve)."""
     shutil.rmtree(dst, ignore_errors=True)
     shutil.rmtree(dst.with_name(dst.name + ".partial"), ignore_errors=True)
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "a3b_backend.quant.convert", str(src), str(dst),
-                           "--calibration-text", str(CALIBRATION_TEXT), "--calibration-tokens", str(tokens),
+                           *(["--calibration-text", str(text)] if text else []), "--calibration-tokens", str(tokens),
                            "--pipeline", "layers", "--device", device])
     if done.returncode != 0:
         raise SystemExit(f"conversion of {src} failed")
@@ -326,38 +327,51 @@ def projection(results: dict[int, dict], throughput: dict[str, float], flops: fl
     ]
 
 
-def report(data: dict) -> str:
-    """The markdown report of a run's saved figures."""
-    results, throughput, flops, tokens = (data["results"], data["rounding_weights_per_s"], data["gram_flops_per_s"],
-                                          data["tokens"])
-    rows = []
+def conversion_rows(results: dict[int, dict]) -> list[str]:
+    """The conversions' table: per checkpoint its peak memory and seconds per layer by phase."""
+    gpu = any("peak_gpu_gib" in d for r in results.values() for d in r["per_layer"])
+    rows = ["| layers | peak RSS GiB | " + ("peak GPU GiB | " if gpu else "") + "wall s | s per layer | "
+            "statistics s | rounding s | tuning s | passing on s | linears | expert projections error-compensated |",
+            "|---" * (10 + gpu) + "|"]
     for layers, r in sorted(results.items()):
         per = r["per_layer"]
         mean = {k: sum(d[k] for d in per) / len(per) for k in PHASES}
-        rows.append(f"| {layers} | {r['peak_rss_gib']:.2f} | {r['wall_s']:.0f} | {mean['total']:.0f} | "
+        peak_gpu = f"{max(d['peak_gpu_gib'] for d in per):.2f} | " if gpu else ""
+        rows.append(f"| {layers} | {r['peak_rss_gib']:.2f} | {peak_gpu}{r['wall_s']:.0f} | {mean['total']:.0f} | "
                     f"{mean['statistics']:.0f} | {mean['rounding']:.0f} | {mean['tuning']:.0f} | "
                     f"{mean['passing_on']:.0f} | "
                     f"{r['linears']} | {r['expert_projections_compensated']} of {r['expert_projections']} |")
+    return rows
+
+
+def report(data: dict) -> str:
+    """The markdown report of a run's saved figures (a --conversions-only run's: its table alone)."""
+    results, tokens = data["results"], data["tokens"]
     small, large = min(results), max(results)
-    growth = results[large]["peak_rss_gib"] - results[small]["peak_rss_gib"]
-    parts = projection(results, throughput, flops, tokens, data["gpu_counted"])
-    cpu_layer, gpu_layer = sum(p[1] for p in parts), sum(p[2] for p in parts)
-    host = GpuHost()
-    return "\n".join([
+    lines = [
         "# The layer pipeline at Qwen3.6-35B-A3B's layer width", "",
         f"Machine: {data['machine']}. Command: `{data['command']}`; conversions on `{data['device']}`. "
         "Random checkpoints of real-width layers (hidden 2048, "
         "256 routed experts top-8 of intermediate 512, shared expert 512, DeltaNet 16/32 heads of 128, attention "
         "16Q/2KV of 256, vocabulary 248,320) in the published layout; each converted by `a3b-quantize "
         f"--pipeline layers` (its defaults: error-compensating rounding, no tuning) on {tokens} "
-        "tokens of GPL-3, in a process of its own. Peak RSS: the conversion process's own high-water mark "
-        "(VmHWM).", "",
-        "| layers | peak RSS GiB | wall s | s per layer | statistics s | rounding s | tuning s | passing on s | "
-        "linears | expert projections error-compensated |",
-        "|---|---|---|---|---|---|---|---|---|---|", *rows, "",
-        f"Peak RSS, {large} layers minus {small}: **{growth:+.2f} GiB** (goal: under 0.5); {large} layers peak at "
-        f"{results[large]['peak_rss_gib']:.2f} GiB (goal: under 8). At {tokens} tokens an expert sees "
-        f"~{tokens * 8 // 256} of its own, too few for error-compensating rounding: experts round nearest here.", "",
+        f"tokens of {data['calibration']}, in a process of its own. Peak RSS: the conversion process's own "
+        "high-water mark (VmHWM).", "", *conversion_rows(results), ""]
+    if large != small:
+        growth = results[large]["peak_rss_gib"] - results[small]["peak_rss_gib"]
+        lines += [f"Peak RSS, {large} layers minus {small}: **{growth:+.2f} GiB** (goal: under 0.5); {large} layers "
+                  f"peak at {results[large]['peak_rss_gib']:.2f} GiB (goal: under 8).", ""]
+    own, down, gate_up = tokens * 8 // 256, experts.compensating_tokens(512), experts.compensating_tokens(2048)
+    lines += [f"At {tokens} tokens an expert sees ~{own} of its own; its down_proj rounds error-compensating "
+              f"from {down}, its gate/up from {gate_up}"
+              + (": here experts round nearest." if own < down else "."), ""]
+    if "gpu_counted" not in data:
+        return "\n".join(lines)
+    throughput, flops = data["rounding_weights_per_s"], data["gram_flops_per_s"]
+    parts = projection(results, throughput, flops, tokens, data["gpu_counted"])
+    cpu_layer, gpu_layer = sum(p[1] for p in parts), sum(p[2] for p in parts)
+    host = GpuHost()
+    return "\n".join(lines + [
         "Rounding 512 x 2048 expert matrices (goals: nearest 5 M weights/s, error-compensating 1 M):", "",
         "| rounding | M weights/s |", "|---|---|",
         *(f"| {name} | {rate / 1e6:.2f} |" for name, rate in throughput.items()), "",
@@ -391,6 +405,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "perf" / "results" / "convert_scale")
     parser.add_argument("--device", default="cpu", help="a3b-quantize --device: cpu, or cuda for a GPU host's figures")
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from the saved JSON")
+    parser.add_argument("--calibration-text", type=Path, default=CALIBRATION_TEXT,
+                        help="the conversions' text (default GPL-3, ~8K tokens); 'built-in': a3b-quantize's own")
+    parser.add_argument("--conversions-only", action="store_true",
+                        help="only the conversions' table: no rounding throughput, held-out errors or projection "
+                             "(make gpu-check's run on a GPU host)")
     args = parser.parse_args(argv)
     saved = args.out / "convert_scale.json"
     if args.report_only:
@@ -398,21 +417,23 @@ def main(argv: list[str] | None = None) -> None:
         data["results"] = {int(k): v for k, v in data["results"].items()}
         data["held_out_error_ratio_by_tokens"] = {int(k): v for k, v in data["held_out_error_ratio_by_tokens"].items()}
     else:
+        text = None if str(args.calibration_text) == "built-in" else args.calibration_text
         results = {}
         for layers in args.layers:
             src = write_checkpoint(args.work / f"qwen3.6-width-{layers}-layers", layers)
             results[layers] = convert(src, args.work / f"qwen3.6-width-{layers}-layers-a3b", args.tokens,
-                                     args.device)
+                                     args.device, text)
             print(f"{layers} layers: peak RSS {results[layers]['peak_rss_gib']:.2f} GiB", flush=True)
-        gpu = {"window": gpu_layer_window(args.work / f"qwen3.6-width-{min(args.layers)}-layers"),
-               "experts": gpu_expert_groups(tuple(weights // (512 * 2048)
-                                                  for weights in experts.GROUP_WEIGHTS.values()))}
         command = "make bench-convert-scale" if argv is None and sys.argv[1:] == [] else \
-            "python perf/convert_scale.py " + " ".join(sys.argv[1:])
+            "python perf/convert_scale.py " + " ".join(sys.argv[1:] if argv is None else argv)
         data = {"machine": machine(), "device": args.device, "command": command, "tokens": args.tokens,
-                "results": results, "rounding_weights_per_s": rounding_throughput(),
-                "held_out_error_ratio_by_tokens": held_out_errors(), "gram_flops_per_s": gram_flops_per_s(),
-                "gpu_counted": gpu}
+                "calibration": "a3b-quantize's built-in text" if text is None else text.name, "results": results}
+        if not args.conversions_only:
+            data.update(rounding_weights_per_s=rounding_throughput(), held_out_error_ratio_by_tokens=held_out_errors(),
+                        gram_flops_per_s=gram_flops_per_s(), gpu_counted={
+                            "window": gpu_layer_window(args.work / f"qwen3.6-width-{min(args.layers)}-layers"),
+                            "experts": gpu_expert_groups(tuple(weights // (512 * 2048)
+                                                               for weights in experts.GROUP_WEIGHTS.values()))})
         args.out.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(data, indent=1))
     (args.out / "convert_scale.md").write_text(report(data))

@@ -10,7 +10,13 @@ Steps, in order, each timed; the run stops at the first failure and says which:
      perf/results/gpu/ (md, JSON, PNG, with the device's name);
   4. a3b-quantize --pipeline layers --device cuda on a tiny Qwen3.5-MoE checkpoint against the same
      conversion on the CPU (tests/test_quant_sequential.py; its tokenizer fixture reads the default
-     model's tokenizer files: carry models/smollm2-135m-instruct/tokenizer.json and tokenizer_config.json).
+     model's tokenizer files: carry models/smollm2-135m-instruct/tokenizer.json and tokenizer_config.json);
+  5. the same at Qwen3.6-35B-A3B's real width: one random real-width layer converted on the GPU on
+     65,536 tokens of a3b-quantize's built-in text (perf/convert_scale.py --conversions-only, to
+     perf/results/gpu/convert_scale/: seconds per layer by phase, peak RSS and GPU memory), the figure
+     bench-convert-scale projects (~33 s a layer); stopped after CONVERSION_TIMEOUT_S. It writes the
+     checkpoint from qwen-tiny's config and tokenizer: carry models/qwen3.6-tiny/config.json,
+     tokenizer.json, tokenizer_config.json and chat_template.jinja.
 
     python perf/gpu_check.py [--dry-run]
 
@@ -32,6 +38,9 @@ from a3b_backend.profiles import PROJECT_ROOT
 QWEN = dict(experts=256, hidden=2048, intermediate=512, top_k=8)
 SMALL = dict(experts=8, hidden=256, intermediate=128, top_k=2)
 LINEAR_SHAPES = ((12288, 2048), (2048, 4096), (1024, 2048))  # DeltaNet in_proj_qkvz, o_proj, shared gate_up
+# Step 5's bound: 5x its projection of one layer plus writing the checkpoint, so a slow run still leaves
+# the device time for a rerun of steps 1-4.
+CONVERSION_TIMEOUT_S = 240
 
 
 def check_ops(device: str, sizes: dict, shapes: tuple[tuple[int, int], ...]) -> None:
@@ -83,9 +92,13 @@ def check_ops(device: str, sizes: dict, shapes: tuple[tuple[int, int], ...]) -> 
         print(f"  {name}: ok", flush=True)
 
 
-def run(step: str, command: list[str], env: dict[str, str] | None = None) -> None:
+def run(step: str, command: list[str], timeout_s: float | None = None) -> None:
     print(f"==> {step}: {' '.join(command)}", flush=True)
-    if subprocess.run(command, cwd=PROJECT_ROOT, env={**os.environ, **(env or {})}).returncode != 0:
+    try:
+        done = subprocess.run(command, cwd=PROJECT_ROOT, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"gpu-check stopped: {step} ran past {timeout_s:.0f} s") from None
+    if done.returncode != 0:
         raise SystemExit(f"gpu-check stopped: {step} failed")
 
 
@@ -125,6 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         run("4. conversion on the GPU", gpu_conversion)
         timings["conversion on the GPU"] = time.perf_counter() - started
+    real_width = [sys.executable, "perf/convert_scale.py", "--layers", "1", "--tokens", "65536", "--device",
+                  "cuda", "--calibration-text", "built-in", "--conversions-only", "--work",
+                  tempfile.mkdtemp(prefix="gpu-check-convert-"), "--out", "perf/results/gpu/convert_scale"]
+    if args.dry_run:
+        print("==> 5. a real-width layer converted with --device cuda: needs a GPU (listed only)", flush=True)
+    else:
+        started = time.perf_counter()
+        run("5. a real-width layer converted on the GPU", real_width, CONVERSION_TIMEOUT_S)
+        timings["real-width conversion on the GPU"] = time.perf_counter() - started
     print("gpu-check " + ("dry run " if args.dry_run else "") + "passed: "
           + ", ".join(f"{step} {seconds:.0f} s" for step, seconds in timings.items()))
     return 0

@@ -378,7 +378,9 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
                                        "expert_projections_compensated": result.expert_projections_compensated,
                                        "passing_on": round(passed_on, 2),
                                        "total": round(time.perf_counter() - started, 2),
-                                       "peak_rss_gib": round(peak_rss_gib(), 3)})
+                                       "peak_rss_gib": round(peak_rss_gib(), 3),
+                                       **({"peak_gpu_gib": round(torch.cuda.max_memory_allocated(target) / 2**30, 3)}
+                                          if target.type == "cuda" else {})})
             _save_atomic(lambda p: p.write_text(json.dumps(progress)), partial / PROGRESS)
             bar.set_postfix_str(f"peak RSS {peak_rss_gib():.1f} GiB")
             result = None  # its tensors, written
