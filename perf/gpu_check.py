@@ -138,14 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         run("4. conversion on the GPU", gpu_conversion)
         timings["conversion on the GPU"] = time.perf_counter() - started
-    real_width = [sys.executable, "perf/convert_scale.py", "--layers", "1", "--tokens", "65536", "--device",
-                  "cuda", "--calibration-text", "built-in", "--conversions-only", "--work",
-                  tempfile.mkdtemp(prefix="gpu-check-convert-"), "--out", "perf/results/gpu/convert_scale"]
     if args.dry_run:
         print("==> 5. a real-width layer converted with --device cuda: needs a GPU (listed only)", flush=True)
     else:
         started = time.perf_counter()
-        run("5. a real-width layer converted on the GPU", real_width, CONVERSION_TIMEOUT_S)
+        run("5. a real-width layer converted on the GPU", [
+            sys.executable, "perf/convert_scale.py", "--layers", "1", "--tokens", "65536", "--device", "cuda",
+            "--calibration-text", "built-in", "--conversions-only", "--work", tempfile.mkdtemp(prefix="gpu-check-"),
+            "--out", "perf/results/gpu/convert_scale"], CONVERSION_TIMEOUT_S)
         timings["real-width conversion on the GPU"] = time.perf_counter() - started
     print("gpu-check " + ("dry run " if args.dry_run else "") + "passed: "
           + ", ".join(f"{step} {seconds:.0f} s" for step, seconds in timings.items()))
