@@ -46,6 +46,7 @@ VARIANTS = {
     "whole model, tuned": ("model", ["--pipeline", "model"]),
     "layers (the 35B path)": ("layers", ["--pipeline", "layers"]),
     "layers, tuned block-wise": ("layers-tuned", ["--pipeline", "layers", "--tune-epochs", "1"]),
+    "layers, experts on every token": ("layers-every-token", ["--pipeline", "layers", "--expert-tokens", "all"]),
 }
 
 

@@ -78,3 +78,24 @@ def test_experts_are_rounded_on_their_own_tokens():
     torch.testing.assert_close(experts.gate_up_proj[0, :width], dequantize(gptq, CONFIG))
     assert set(rounded.tensors) == {f"model.experts.{e}.{p}.weight_{k}" for e in range(config.num_experts)
                                     for p in ("gate_proj", "up_proj", "down_proj") for k in KINDS}
+
+
+def test_every_expert_sees_every_token_for_statistics_only():
+    """--expert-tokens all: each expert's statistics and recorded tokens are the whole block input
+    (its down_proj's its own act(gate) * up of them); the block's output is the model's."""
+    block, config = moe_block(2)
+    x = torch.randn(1, 40, 64)
+    with torch.no_grad():
+        expected = block(x)
+        routed: dict[str, calibrate.RoutedInputs] = {}
+        stats = calibrate.record(block, lambda: block(x), routed=routed, every_expert=True)
+        output = block(x)
+    torch.testing.assert_close(output, expected)
+    tokens = x.reshape(-1, 64)
+    experts = block.experts
+    for e in range(config.num_experts):
+        assert stats[f"experts.{e}.gate_proj"].count == tokens.shape[0]
+        assert torch.equal(routed["experts"].tokens(e), tokens)
+        gate, up = (tokens @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
+        own = experts.act_fn(gate) * up
+        torch.testing.assert_close(stats[f"experts.{e}.down_proj"].importance, (own * own).mean(0))

@@ -15,7 +15,7 @@ from test_quant_convert import CONFIG, QWEN35, tensors, tiny
 from a3b_backend.prepare.qwen_tiny import real_layout
 from a3b_backend.quant import calibrate, sequential
 from a3b_backend.quant.dequantized import float_model
-from a3b_backend.quant.convert import ConversionError, convert
+from a3b_backend.quant.convert import ConversionError, convert, main
 from a3b_backend.quant.tune import BLOCK_WISE, TuneConfig
 
 TEXT = "The quick brown fox jumps over the lazy dog. A lazy dog sleeps in the sun all day. " * 60
@@ -156,6 +156,23 @@ def test_refusals(tmp_path, tokenizer, text):
     with pytest.raises(ConversionError, match=r"layer 1 has no tensor for model\.layers\.1\.mlp\.down_proj"):
         sequential.convert_layers(broken, tmp_path / "out2", CONFIG, text, 512, "nearest")
     assert not (tmp_path / "out2").exists()
+
+
+def test_experts_calibrated_on_every_token_say_so_and_round_otherwise(tmp_path, tokenizer, text):
+    """--expert-tokens all: no expert falls back, the config records it, the experts' codes differ
+    from the routed conversion's; the whole-model pipeline refuses the option."""
+    src = checkpoint(tmp_path, tokenizer, "qwen3_5_moe_text", QWEN35, published=True)
+    routed = sequential.convert_layers(src, tmp_path / "routed", CONFIG, text, 512, rounding="nearest")
+    every = sequential.convert_layers(src, tmp_path / "every", CONFIG, text, 512, rounding="nearest",
+                                      every_expert=True)
+    quantization = json.loads((every / "config.json").read_text())["quantization_config"]
+    assert quantization["expert_statistics"] == "every token" and quantization["experts_on_fallback"] == 0
+    assert "expert_statistics" not in json.loads((routed / "config.json").read_text())["quantization_config"]
+    got, base = tensors(every), tensors(routed)
+    expert_codes = [n for n in got if ".experts." in n and n.endswith("_packed")]
+    assert expert_codes and any(not torch.equal(got[n], base[n]) for n in expert_codes)
+    assert main([str(src), str(tmp_path / "refused"), "--calibration-text", str(text), "--expert-tokens", "all"]) == 2
+    assert not (tmp_path / "refused").exists()
 
 
 def test_a_device_this_host_lacks_is_refused_naming_it(tmp_path, tokenizer, text):

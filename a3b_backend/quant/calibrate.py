@@ -175,10 +175,13 @@ def collect(model: torch.nn.Module, token_ids: torch.Tensor, seq_len: int = 512,
 
 @torch.no_grad()
 def record(module: torch.nn.Module, run: Callable[[], object], hessians: bool = False,
-           prefix: str = "", routed: dict[str, RoutedInputs] | None = None) -> dict[str, ChannelStats]:
+           prefix: str = "", routed: dict[str, RoutedInputs] | None = None,
+           every_expert: bool = False) -> dict[str, ChannelStats]:
     """The statistics `collect` gathers, of `module`'s linears, MoE blocks and experts while `run()`
     runs it; keys are their names within `module` after `prefix` (a decoder layer: its own name).
-    `routed`: filled with each stacked experts module's calls, by the same names."""
+    `routed`: filled with each stacked experts module's calls, by the same names. `every_expert`:
+    each routed expert's statistics (and `routed`) as if every token had been sent to it, as
+    llm-compressor's option to calibrate all experts does; the layer's output stays the model's."""
     stats: dict[str, ChannelStats] = {}
     # q/k/v (and gate/up) read the same input tensor: its x^T x is computed once
     last_gram: dict[str, torch.Tensor] = {}
@@ -204,6 +207,8 @@ def record(module: torch.nn.Module, run: Callable[[], object], hessians: bool = 
         down_proj its own act(gate) * up."""
         x = args[0].detach().float().reshape(-1, args[0].shape[-1])
         chosen = args[1].reshape(x.shape[0], -1)
+        if every_expert:
+            chosen = torch.arange(experts.gate_up_proj.shape[0], device=chosen.device).expand(x.shape[0], -1)
         if routed is not None:
             calls = routed.setdefault(name, RoutedInputs())
             calls.hidden.append(x)

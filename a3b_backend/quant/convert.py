@@ -406,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu",
                         help="--pipeline layers: where each layer is calibrated and rounded, cpu or cuda[:N] "
                              "(default cpu)")
+    parser.add_argument("--expert-tokens", choices=("routed", "all"), default="routed",
+                        help="--pipeline layers: each routed expert's statistics from the tokens the model routes "
+                             "to it (default), or from every token, as if all were routed to it (statistics only)")
     parser.add_argument("--pipeline", choices=("model", "layers"), default="model",
                         help="model: calibrate with the whole model in memory (and tune end to end); layers: one "
                              "decoder layer at a time in bounded memory, resumable, tuned block-wise "
@@ -418,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConversionError(f"--block-shape: {problem}; --cpu-only-blocks writes it for the CPU kernels alone")
         if args.pipeline == "layers" and args.uncalibrated:
             raise ConversionError("--pipeline layers calibrates: it cannot run --uncalibrated")
+        if args.pipeline == "model" and args.expert_tokens != "routed":
+            raise ConversionError(f"--expert-tokens {args.expert_tokens} needs --pipeline layers")
         if args.pipeline == "model" and args.device != "cpu":
             raise ConversionError(f"--device {args.device} needs --pipeline layers (the whole-model pipeline runs "
                                   "on the CPU)")
@@ -426,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                 from a3b_backend.quant.sequential import convert_layers
 
                 convert_layers(args.src, args.dst, config, text, args.calibration_tokens, args.rounding or "gptq",
-                               dataclasses.replace(BLOCK_WISE, epochs=args.tune_epochs or 0), args.device)
+                               dataclasses.replace(BLOCK_WISE, epochs=args.tune_epochs or 0), args.device,
+                               args.expert_tokens == "all")
             else:
                 convert(args.src, args.dst, config, text, args.calibration_tokens, args.rounding,
                         TuneConfig() if args.tune_epochs is None else TuneConfig(epochs=args.tune_epochs))

@@ -225,7 +225,7 @@ class LayerResult:
 
 def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: list[torch.Tensor],
                    calls: list[tuple[tuple, dict]], config: A3BConfig, rounding: Rounding, zero_centred: bool,
-                   expert_names: set[str], tune_config: TuneConfig) -> LayerResult:
+                   expert_names: set[str], tune_config: TuneConfig, every_expert: bool = False) -> LayerResult:
     """Calibrates, rounds and tunes one loaded layer; its weights become their quantized values
     (in the source's scale) for the next layer's inputs."""
     prefix = f"model.layers.{index}."
@@ -238,7 +238,8 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
         if tune_config.epochs > 0:
             float_outputs.extend(outputs)
 
-    stats = calibrate.record(layer, run, rounding == "gptq", prefix, routed if rounding == "gptq" else None)
+    stats = calibrate.record(layer, run, rounding == "gptq", prefix, routed if rounding == "gptq" else None,
+                             every_expert)
     recorded = time.perf_counter()
     fallbacks = calibrate.fill_expert_fallbacks(stats, layer, prefix)
     linears = calibrate.quantized_linears(layer, prefix)
@@ -297,13 +298,14 @@ def windows_of(src: Path, text_path: Path, tokens: int) -> list[torch.Tensor]:
 
 
 def fingerprint(src: Path, text_path: Path, tokens: int, config: A3BConfig, rounding: Rounding,
-                tune_config: TuneConfig) -> str:
+                tune_config: TuneConfig, every_expert: bool = False) -> str:
     """What an interrupted run must share with this one for its layers to be kept (not the device:
     a conversion interrupted on a GPU host may go on on the CPU)."""
     digest = hashlib.sha256()
     text = hashlib.sha256(text_path.read_bytes()).hexdigest()
     for part in (str(src.resolve()), (src / "config.json").read_text(), text, tokens,
-                 json.dumps(config.to_json()), rounding, json.dumps(dataclasses.asdict(tune_config))):
+                 json.dumps(config.to_json()), rounding, json.dumps(dataclasses.asdict(tune_config)),
+                 *(["every expert"] if every_expert else [])):
         digest.update(str(part).encode())
     return digest.hexdigest()
 
@@ -326,7 +328,8 @@ def _save_atomic(write, path: Path) -> None:
 
 
 def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Path, calibration_tokens: int = 2048,
-                   rounding: Rounding = "gptq", tune_config: TuneConfig = BLOCK_WISE, device: str = "cpu") -> Path:
+                   rounding: Rounding = "gptq", tune_config: TuneConfig = BLOCK_WISE, device: str = "cpu",
+                   every_expert: bool = False) -> Path:
     target = check_device(device)
     model_config = check_paths(src, dst)
     check_disk(src, dst)
@@ -335,7 +338,7 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
     windows = windows_of(src, calibration_text, calibration_tokens)
     model = skeleton(src)
     hidden, calls, layers = layer_inputs(model, source, windows)
-    stamp = fingerprint(src, calibration_text, calibration_tokens, config, rounding, tune_config)
+    stamp = fingerprint(src, calibration_text, calibration_tokens, config, rounding, tune_config, every_expert)
     partial = dst.with_name(dst.name + ".partial")
     progress = json.loads((partial / PROGRESS).read_text()) if (partial / PROGRESS).exists() else None
     resume = progress is not None and progress["fingerprint"] == stamp
@@ -359,7 +362,7 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
             # a torch.device context intercepts every torch call: entered only where allocations must move
             with target if target.type != "cpu" else contextlib.nullcontext():
                 result = quantize_layer(layer, index, source, layer_hidden, layer_calls, config, rounding,
-                                        zero_centred, expert_names, tune_config)
+                                        zero_centred, expert_names, tune_config, every_expert)
                 passing_on = time.perf_counter()
                 hidden = [h.cpu() for h in run_layer(layer, layer_hidden, layer_calls)]
             passed_on = time.perf_counter() - passing_on
@@ -385,7 +388,8 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
             bar.set_postfix_str(f"peak RSS {peak_rss_gib():.1f} GiB")
             result = None  # its tensors, written
         _finish(source, partial, model_config, config, rounding, tune_config.epochs, progress, len(layers),
-                calibration_record(calibration_text, calibration_tokens, progress["experts_on_fallback"]))
+                calibration_record(calibration_text, calibration_tokens, progress["experts_on_fallback"]),
+                every_expert)
     report = json.loads((dst / REPORT).read_text())
     print(f"{dst}: {report['layers']} layers, {report['linears']} linears quantized, each on its own calibration "
           f"statistics; {report['experts_on_fallback']} routed experts took their MoE block's; "
@@ -410,7 +414,7 @@ def rest_groups(source: Source, limit: int = REST_SHARD_BYTES) -> list[list[str]
 
 
 def _finish(source: Source, partial: Path, model_config: dict, config: A3BConfig, rounding: Rounding,
-            tuned_epochs: int, progress: dict, layers: int, calibration: dict) -> None:
+            tuned_epochs: int, progress: dict, layers: int, calibration: dict, every_expert: bool) -> None:
     groups = rest_groups(source)
     shards = layers + len(groups)
     for group_index, names in enumerate(groups):
@@ -434,7 +438,8 @@ def _finish(source: Source, partial: Path, model_config: dict, config: A3BConfig
         part.unlink()
     write_side_files(source.path, partial, model_config,
                      quantization_config(config, rounding, tuned_epochs, calibration, pipeline="layers",
-                                         **({"tuning": "block-wise"} if tuned_epochs else {})), scales)
+                                         **({"tuning": "block-wise"} if tuned_epochs else {}),
+                                         **({"expert_statistics": "every token"} if every_expert else {})), scales)
     linears = sum(1 for name in weight_map if name.endswith("_packed"))
     done = progress["layers"]
     (partial / REPORT).parent.mkdir(exist_ok=True)
