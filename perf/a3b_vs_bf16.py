@@ -24,23 +24,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from a3b_backend.bench.agreement import PROMPTS, opening_prompts
 from a3b_backend.profiles import PROJECT_ROOT
 
 BF16_DIR = "models/smollm2-135m-instruct"  # `make model` writes it, then its A3B copy (the profile's)
 VARIANTS = {"bf16": (BF16_DIR, None), "a3b-fused": (None, "fused"), "a3b-dequant": (None, "dequant"),
             "a3b-expand": (None, "expand")}
-PROMPTS = 50
 AGREEMENT_TOKENS = 32
 DECODE_TOKENS = 64
-
-
-def prompts(tokenizer) -> list[list[int]]:
-    """PROMPTS natural-language openings of ~48 tokens from CPython's language reference."""
-    from a3b_backend.quant.quality import eval_text
-
-    words = eval_text().split()
-    step = len(words) // PROMPTS
-    return [tokenizer.encode(" ".join(words[i * step: i * step + 36])) for i in range(PROMPTS)]
 
 
 def measure(variant: str) -> dict:
@@ -63,7 +54,8 @@ def measure(variant: str) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args["model"])
     llm = LLM(**args)
     greedy = SamplingParams(temperature=0, max_tokens=AGREEMENT_TOKENS, ignore_eos=True)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(tokenizer)], greedy, use_tqdm=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in opening_prompts(tokenizer)], greedy,
+                           use_tqdm=False)
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                          add_generation_prompt=True, tokenize=False)
     chat_prompt = TokensPrompt(prompt_token_ids=tokenizer.encode(chat, add_special_tokens=False))

@@ -221,13 +221,13 @@ def measure(chosen: list[Variant], rounds: int) -> list[dict]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from a3b_backend.bench.agreement import opening_prompts
     from a3b_backend.bench.engine_probes import linear_kernels, linear_weight_bytes
-    from perf.a3b_vs_bf16 import prompts
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model pickles linear_weight_bytes and linear_kernels
     tokenizer = AutoTokenizer.from_pretrained(BF16_DIR)
     windows, agreement_prompts = eval_windows(tokenizer), [TokensPrompt(prompt_token_ids=p) for p in
-                                                           prompts(tokenizer)]
+                                                           opening_prompts(tokenizer)]
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                          add_generation_prompt=True, tokenize=False)
     chat_prompt = TokensPrompt(prompt_token_ids=tokenizer.encode(chat, add_special_tokens=False))
