@@ -176,10 +176,10 @@ compare-quant: setup model quant-tools
 	$(PY) perf/quant_compare/compare.py
 
 # A3B's own rows of compare-quant (no llm-compressor needed): the default pipeline, untuned, the layer
-# pipeline and uncalibrated against bf16 through vLLM (perf/results/quant_compare/a3b/)
+# pipeline untuned and tuned block-wise, and uncalibrated, against bf16 through vLLM (perf/results/quant_compare/a3b/)
 compare-quant-a3b: setup model
-	$(PY) perf/quant_compare/compare.py --only bf16 A3B "A3B, no tuning" "A3B, layer pipeline" "A3B uncalibrated" \
-		--out perf/results/quant_compare/a3b
+	$(PY) perf/quant_compare/compare.py --only bf16 A3B "A3B, no tuning" "A3B, layer pipeline" \
+		"A3B, layer pipeline, tuned block-wise" "A3B uncalibrated" --out perf/results/quant_compare/a3b
 
 # a3b-quantize --pipeline layers on random checkpoints of 2 and 4 layers at Qwen3.6-35B-A3B's real width:
 # peak RSS against layers, seconds per layer, rounding throughput, a 40-layer projection (perf/results/convert_scale/)

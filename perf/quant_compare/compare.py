@@ -10,6 +10,8 @@ Variants (checkpoints under models/quant_compare/, built once, with progress):
   A3B, no tuning  the same with --tune-epochs 0 (no end-to-end metadata tuning)
   A3B, layer pipeline  the same rounding by --pipeline layers (one decoder layer at a
                   time, quantized outputs passed on, no tuning: its default)
+  A3B, layer pipeline, tuned block-wise  the same with --tune-epochs 1 (each layer's
+                  metadata tuned against its float output)
   A3B, nearest rounding  the same, each weight on its fitted table's nearest entry
   A3B uncalibrated  --uncalibrated
   GPTQ W4A16 g64  llm-compressor GPTQModifier, symmetric (perf/quant_compare/peers.py)
@@ -47,6 +49,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -112,6 +115,8 @@ def variants(calibration: Path) -> list[Variant]:
     return [Variant("bf16", BF16_DIR, None), a3b("A3B", "a3b-gptq", *calibrated, "--rounding", "gptq"),
             a3b("A3B, no tuning", "a3b-gptq-untuned", *calibrated, "--rounding", "gptq", "--tune-epochs", "0"),
             a3b("A3B, layer pipeline", "a3b-gptq-layers", *calibrated, "--rounding", "gptq", "--pipeline", "layers"),
+            a3b("A3B, layer pipeline, tuned block-wise", "a3b-gptq-layers-tuned", *calibrated, "--rounding", "gptq",
+                "--pipeline", "layers", "--tune-epochs", "1"),
             a3b("A3B, nearest rounding", "a3b", *calibrated, "--rounding", "nearest"),
             a3b("A3B uncalibrated", "a3b-uncalibrated", "--uncalibrated"),
             *(llm_compressor(method, kernel) for method in ("gptq", "awq") for kernel in typing.get_args(PeerKernel))]
@@ -372,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         if seconds is not None:
             build_seconds[variant.name] = seconds
     rows = measure(chosen, args.rounds)
-    command = " ".join(["python perf/quant_compare/compare.py", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(["python", "perf/quant_compare/compare.py", *(sys.argv[1:] if argv is None else argv)])
     write_report(rows, build_seconds, sha256(calibration), args.rounds, args.out, command, perf_report.machine())
     print(markdown(rows))
     print(f"wrote {args.out / 'quant_compare.md'}")
