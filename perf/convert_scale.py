@@ -1,16 +1,20 @@
 """make bench-convert-scale: the layer pipeline (a3b-quantize --pipeline layers) on random
 checkpoints at Qwen3.6-35B-A3B's real layer width, to show its memory stays one layer's and
-to project the whole model's conversion time.
+to project the whole model's conversion time on this CPU and on a GPU host.
 
 The checkpoints have 2 and 4 decoder layers of the real width (hidden 2048, 256 routed
 experts top-8 with intermediate 512, a shared expert of 512, Gated DeltaNet 16 QK / 32 V
 heads of 128, gated attention 16 Q / 2 KV heads of 256, 3 DeltaNet layers to 1 attention
 layer) and the real vocabulary (248,320), in the published layout (model.language_model.*,
 stacked experts); they are written one layer at a time, never whole in memory. Each is
-converted in a process of its own, calibrated (nearest rounding: routed experts, ~93% of
-the weights, take it in every pipeline), and the report gives its peak RSS, the seconds per
-layer by phase (the conversion's own a3b/conversion.json), the rounding throughput of one
-expert matrix, and a projection to 40 layers.
+converted in a process of its own with the pipeline's defaults (at the bench's 1,024 tokens
+an expert sees too few of its own for error-compensating rounding, so experts round nearest),
+and the report gives its peak RSS, the seconds per layer by phase (the conversion's own
+a3b/conversion.json), the rounding throughput of expert matrices, and a projection to 40
+layers at the default 65,536 tokens: on this CPU from those figures, on an H100 host from a
+roofline count of the code's own kernels (GpuTimeEstimate; not a run).
+
+--conversions-only --device cuda: the conversions' table alone, on a GPU (make gpu-check).
 """
 from __future__ import annotations
 
@@ -318,8 +322,8 @@ def projection(results: dict[int, dict], throughput: dict[str, float], flops: fl
         ("routed experts' Hessians", hessian_flops / flops, hessian_flops / host.flops,
          f"{hessian_flops / 1e12:.1f} TFLOP of x^T x: CPU at the measured {flops / 1e9:.0f} GFLOP/s"),
         ("the other linears' rounding and AWQ search", mean["rounding"] - experts_nearest,
-         mean["rounding"] - experts_nearest, "measured here, not growing with the tokens; the GPU's taken as "
-                                             "the CPU's (an upper bound)"),
+         mean["rounding"] - experts_nearest, "measured here, not growing with the tokens; the GPU's not "
+                                             "counted, taken as this CPU's"),
         ("reading the layer, writing its shard and the hidden states",
          host_part + hidden_bytes / 1e9, host_part + hidden_bytes / 1e9 + 2 * LAYER_FP32_BYTES / host.pcie_bytes_per_s,
          f"measured here, plus {hidden_bytes / 2**30:.2f} GiB of hidden states at 1 GB/s; GPU: plus the layer to "
