@@ -1,7 +1,8 @@
 """a3b-quantize: HF safetensors checkpoint -> A3B checkpoint, one tensor at a time.
 
     a3b-quantize SRC_DIR DST_DIR [--block-shape R C] [--calibration-text FILE | --uncalibrated]
-                 [--calibration-tokens N] [--rounding nearest|gptq] [--pipeline model|layers [--device cuda]]
+                 [--calibration-tokens N] [--rounding nearest|gptq]
+                 [--pipeline model|layers [--device cuda] [--expert-tokens routed|all]]
 
 Linear weights of the decoder layers (attention, MLP, MoE experts, shared
 experts, Gated DeltaNet projections) become A3B tensors; embeddings, norms,
