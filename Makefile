@@ -90,10 +90,11 @@ aiperf: need-venv perf-tools
 
 # locust against the HTTP generate endpoints (headless; drop --headless for its web UI)
 LOCUST_HOST ?= http://localhost:8000
-locust: perf-tools
+locust: need-venv perf-tools
 	mkdir -p perf/results/locust
 	.venv-genai/bin/locust -f perf/locustfile.py EnsembleUser --host $(LOCUST_HOST) --headless -u 4 -r 2 -t 60s \
 	  --csv perf/results/locust/ensemble --only-summary
+	$(PY) perf/locust_report.py perf/results/locust/ensemble --title "4 users on the ensemble's HTTP endpoints (make locust)"
 
 # The profile's RAG mix (its perf input file: one shared document, a question each) over HTTP
 # generate_stream, one request per LOCUST_RAG_INTERVAL_S per user, against the running server
