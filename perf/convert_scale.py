@@ -48,6 +48,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 CALIBRATION_TEXT = LICENCE_TEXTS / "GPL-3"
 FULL_LAYERS = FULL_SIZE["num_hidden_layers"]
 PHASES = ("statistics", "rounding", "tuning", "passing_on", "total")  # a3b/conversion.json's, per layer
+# experts per rounding group (quant/experts.py), by device: their matrices are 512 x 2048
+GROUP = {device: weights // (512 * 2048) for device, weights in experts.GROUP_WEIGHTS.items()}
 EXPERT_WEIGHTS = FULL_SIZE["num_experts"] * 3 * FULL_SIZE["moe_intermediate_size"] * FULL_SIZE["hidden_size"]
 
 
@@ -131,12 +133,14 @@ def rounding_throughput() -> dict[str, float]:
     weights = torch.randn(16, 512, 2048, generator=generator) * 0.02
     x = anisotropic_inputs(generator)(4096)
     hessian = x.T @ x / len(x)
+    cpu = GROUP["cpu"]
     runs = {
         "nearest, 1 expert": (1, lambda: quantize(weights[0], config, col_importance=hessian.diagonal())),
-        "nearest, 4 experts stacked": (4, lambda: quantize_stack(weights[:4], config,
-                                                                 hessian.diagonal().expand(4, -1))),
+        f"nearest, {cpu} experts stacked": (cpu, lambda: quantize_stack(weights[:cpu], config,
+                                                                      hessian.diagonal().expand(cpu, -1))),
         "gptq, 1 expert": (1, lambda: quantize_gptq(weights[0], config, hessian)),
-        "gptq, 4 experts stacked": (4, lambda: quantize_gptq_stack(weights[:4], config, hessian.expand(4, -1, -1))),
+        f"gptq, {cpu} experts stacked": (cpu, lambda: quantize_gptq_stack(weights[:cpu], config,
+                                                                          hessian.expand(cpu, -1, -1))),
         "gptq, 16 experts stacked": (16, lambda: quantize_gptq_stack(weights, config, hessian.expand(16, -1, -1))),
     }
     out = {}
@@ -296,11 +300,10 @@ def projection(results: dict[int, dict], throughput: dict[str, float], flops: fl
     windows, host = FULL_TOKENS // SEQ_LEN, GpuHost()
     # At the full budget an expert averages FULL_TOKENS * 8 / 256 = 2048 own tokens: past TOKENS_PER_INPUT
     # for its gate/up (1024) and down (256), so its projections round error-compensating (here: nearest).
-    experts_nearest = EXPERT_WEIGHTS / throughput["nearest, 4 experts stacked"]
-    experts_gptq = EXPERT_WEIGHTS / throughput["gptq, 4 experts stacked"]
+    experts_nearest = EXPERT_WEIGHTS / throughput[f"nearest, {GROUP['cpu']} experts stacked"]
+    experts_gptq = EXPERT_WEIGHTS / throughput[f"gptq, {GROUP['cpu']} experts stacked"]
     hessian_flops = 2 * 8 * FULL_TOKENS * (2048**2 + 512**2)
-    group = experts.GROUP_WEIGHTS["cuda"] // (512 * 2048)
-    cpu_group = experts.GROUP_WEIGHTS["cpu"] // (512 * 2048)
+    group, cpu_group = GROUP["cuda"], GROUP["cpu"]
     by_group = {int(size): counted for size, counted in gpu["experts"].items()}
     rounding_gpu = {size: FULL_SIZE["num_experts"] / size * counted["seconds"] for size, counted in by_group.items()}
     gathering = FULL_SIZE["num_experts"] * windows * host.sync_s  # each expert's tokens, a boolean mask per window
@@ -436,8 +439,7 @@ def main(argv: list[str] | None = None) -> None:
             data.update(rounding_weights_per_s=rounding_throughput(), held_out_error_ratio_by_tokens=held_out_errors(),
                         gram_flops_per_s=gram_flops_per_s(), gpu_counted={
                             "window": gpu_layer_window(args.work / f"qwen3.6-width-{min(args.layers)}-layers"),
-                            "experts": gpu_expert_groups(tuple(weights // (512 * 2048)
-                                                               for weights in experts.GROUP_WEIGHTS.values()))})
+                            "experts": gpu_expert_groups(tuple(GROUP.values()))})
         args.out.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(data, indent=1))
     (args.out / "convert_scale.md").write_text(report(data))
