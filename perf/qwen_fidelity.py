@@ -45,7 +45,7 @@ VARIANTS = {
     "whole model, no tuning": ("model-untuned", ["--pipeline", "model", "--tune-epochs", "0"]),
     "whole model, tuned": ("model", ["--pipeline", "model"]),
     "layers (the 35B path)": ("layers", ["--pipeline", "layers"]),
-    "layers, tuned block-wise": ("layers-tuned", ["--pipeline", "layers", "--tune-epochs", "1"]),
+    "layers, tuned block-wise": ("layers-tuned", ["--pipeline", "layers", "--tune-steps", "200"]),
     "layers, experts on every token": ("layers-every-token", ["--pipeline", "layers", "--expert-tokens", "all"]),
 }
 

@@ -1,6 +1,5 @@
 """Layer-sequential conversion (a3b_backend/quant/sequential.py) on tiny random checkpoints: the
 layer runner against the whole model, the checkpoint it writes, resuming, refusals."""
-import dataclasses
 import hashlib
 import json
 import subprocess
@@ -9,14 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from test_quant_convert import CONFIG, QWEN35, tensors, tiny
 
 from a3b_backend.prepare.qwen_tiny import real_layout
 from a3b_backend.quant import calibrate, sequential
 from a3b_backend.quant.dequantized import float_model
 from a3b_backend.quant.convert import ConversionError, convert, main
-from a3b_backend.quant.tune import BLOCK_WISE, TuneConfig
+from a3b_backend.quant.block_tune import BlockTuneConfig
+from a3b_backend.quant.tune import TuneConfig
 
 TEXT = "The quick brown fox jumps over the lazy dog. A lazy dog sleeps in the sun all day. " * 60
 
@@ -67,7 +67,8 @@ def test_layer_pipeline_writes_a_checkpoint_that_computes_what_the_source_does(t
     from transformers import AutoModelForCausalLM
 
     src = checkpoint(tmp_path, tokenizer, "qwen3_5_moe_text", QWEN35, published=True)
-    dst = sequential.convert_layers(src, tmp_path / "layers", CONFIG, text, 512, rounding="nearest")
+    dst = sequential.convert_layers(src, tmp_path / "layers", CONFIG, text, 512, rounding="nearest",
+                                    tune_config=BlockTuneConfig(steps=0))
     quantization = json.loads((dst / "config.json").read_text())["quantization_config"]
     assert quantization["calibrated"] is True and quantization["pipeline"] == "layers"
     assert quantization["calibration_text_sha256"] == hashlib.sha256(TEXT.encode()).hexdigest()
@@ -96,28 +97,49 @@ def test_layer_pipeline_writes_a_checkpoint_that_computes_what_the_source_does(t
 
 
 def test_block_wise_tuning_brings_the_output_closer_to_the_source(tmp_path, tokenizer, text):
-    """Each layer's dense linears' metadata tuned against the layer's float output lowers the whole
-    model's error; the config says so, and the 4-bit codes stay."""
+    """Each layer's dense linears' rounding and metadata tuned against the layer's float output on a
+    model with outlier channels: stored codes change, the held-out block loss falls, the whole
+    model's error falls, and the config says what ran."""
     src = checkpoint(tmp_path, tokenizer, "qwen3_5_moe_text", QWEN35, published=True)
+    with_outliers(src)
     ids = torch.tensor([tokenizer.encode(TEXT[:600])])
     with torch.no_grad():
         reference = float_model(src)(ids).logits
     errors, codes = {}, {}
-    for epochs in (0, 2):  # the pipeline's block-wise rates, 4 steps a layer
-        dst = sequential.convert_layers(src, tmp_path / f"tuned-{epochs}", CONFIG, text, 1024, rounding="nearest",
-                                        tune_config=dataclasses.replace(BLOCK_WISE, epochs=epochs))
+    for steps in (0, 30):
+        dst = sequential.convert_layers(src, tmp_path / f"tuned-{steps}", CONFIG, text, 1024, rounding="nearest",
+                                        tune_config=BlockTuneConfig(steps=steps, batch=2, evaluate_every=5))
         quantization = json.loads((dst / "config.json").read_text())["quantization_config"]
-        assert quantization["tuned_epochs"] == epochs and ("tuning" in quantization) == (epochs > 0)
+        assert ("tuning" in quantization) == (steps > 0)
         with torch.no_grad():
-            errors[epochs] = float((float_model(dst)(ids).logits - reference).norm() / reference.norm())
-        codes[epochs] = {n: t for n, t in tensors(dst).items() if n.endswith("_packed")}
-    assert errors[2] < 0.95 * errors[0], errors
-    assert all(torch.equal(codes[2][n], codes[0][n]) for n in codes[0] if ".layers.0." in n)
+            errors[steps] = float((float_model(dst)(ids).logits - reference).norm() / reference.norm())
+        codes[steps] = {n: t for n, t in tensors(dst).items() if n.endswith("_packed") and ".experts." not in n}
+    tuning = quantization["tuning"]
+    assert tuning["steps"] == 30 and tuning["method"] == "block-wise" and len(tuning["held_out_loss"]) == 2
+    assert all(after <= before for before, after in tuning["held_out_loss"])
+    assert tuning["held_out_loss"][0][1] < 0.9 * tuning["held_out_loss"][0][0], tuning
+    assert tuning["layers_kept_untuned"] == sum(step == 0 for step in tuning["best_step"])
+    assert errors[30] < 0.95 * errors[0], errors
+    assert any(not torch.equal(codes[30][n], codes[0][n]) for n in codes[0])
+
+
+def with_outliers(src: Path, channels: int = 3, gain: float = 20.0) -> None:
+    """src's decoder-layer RMSNorms (zero-centred) with a few channels at a large gain, as trained models have."""
+    shard = next(src.glob("*.safetensors"))
+    state = load_file(shard)
+    for name, tensor in state.items():
+        if name.endswith("layernorm.weight") and ".layers." in name and not name.startswith("mtp."):
+            tensor[:channels] = gain - 1
+    save_file(state, shard, metadata={"format": "pt"})
 
 
 def test_an_interrupted_conversion_resumes_from_the_next_layer(tmp_path, tokenizer, text, monkeypatch, capsys):
+    """A tuned conversion on quantized inputs (two chains of hidden states to resume from) resumes
+    to the same bytes as an uninterrupted one."""
     src = checkpoint(tmp_path, tokenizer, "llama", {})
-    reference = tensors(sequential.convert_layers(src, tmp_path / "reference", CONFIG, text, 512, "nearest"))
+    tuning = BlockTuneConfig(steps=6, batch=1, evaluate_every=2, inputs="quantized")
+    reference = tensors(sequential.convert_layers(src, tmp_path / "reference", CONFIG, text, 1024, "nearest",
+                                                  tune_config=tuning))
     original = sequential.quantize_layer
 
     def crash_at_layer_1(layer, index, *args, **kwargs):
@@ -127,7 +149,7 @@ def test_an_interrupted_conversion_resumes_from_the_next_layer(tmp_path, tokeniz
 
     monkeypatch.setattr(sequential, "quantize_layer", crash_at_layer_1)
     with pytest.raises(KeyboardInterrupt):
-        sequential.convert_layers(src, tmp_path / "out", CONFIG, text, 512, "nearest")
+        sequential.convert_layers(src, tmp_path / "out", CONFIG, text, 1024, "nearest", tune_config=tuning)
     assert not (tmp_path / "out").exists()
     assert json.loads((tmp_path / "out.partial" / sequential.PROGRESS).read_text())["layers_done"] == 1
     monkeypatch.setattr(sequential, "quantize_layer", original)
@@ -135,7 +157,8 @@ def test_an_interrupted_conversion_resumes_from_the_next_layer(tmp_path, tokeniz
     monkeypatch.setattr(sequential, "load_layer", lambda layer, source, index: calls.append(index) or
                         original_load(layer, source, index))
     capsys.readouterr()
-    resumed = tensors(sequential.convert_layers(src, tmp_path / "out", CONFIG, text, 512, "nearest"))
+    resumed = tensors(sequential.convert_layers(src, tmp_path / "out", CONFIG, text, 1024, "nearest",
+                                                tune_config=tuning))
     assert "resuming" in capsys.readouterr().out and calls == [1]
     assert set(resumed) == set(reference) and all(torch.equal(resumed[n], reference[n]) for n in reference)
 
@@ -156,6 +179,19 @@ def test_refusals(tmp_path, tokenizer, text):
     with pytest.raises(ConversionError, match=r"layer 1 has no tensor for model\.layers\.1\.mlp\.down_proj"):
         sequential.convert_layers(broken, tmp_path / "out2", CONFIG, text, 512, "nearest")
     assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.parametrize("options, named", [
+    (["--tune-steps", "5"], "--tune-steps and --tune-inputs need --pipeline layers"),
+    (["--tune-inputs", "quantized"], "--tune-steps and --tune-inputs need --pipeline layers"),
+    (["--pipeline", "layers", "--tune-epochs", "1"], "--tune-epochs needs --pipeline model"),
+    (["--pipeline", "layers", "--tune-steps", "-1"], "--tune-steps -1: allowed are 0"),
+])
+def test_tuning_options_of_the_other_pipeline_are_refused_naming_them(tmp_path, tokenizer, text, capsys, options,
+                                                                      named):
+    src = checkpoint(tmp_path, tokenizer, "llama", {})
+    assert main([str(src), str(tmp_path / "refused"), "--calibration-text", str(text), *options]) == 2
+    assert named in capsys.readouterr().err and not (tmp_path / "refused").exists()
 
 
 def test_experts_calibrated_on_every_token_say_so_and_round_otherwise(tmp_path, tokenizer, text):

@@ -1,8 +1,9 @@
 """a3b-quantize: HF safetensors checkpoint -> A3B checkpoint, one tensor at a time.
 
     a3b-quantize SRC_DIR DST_DIR [--block-shape R C] [--calibration-text FILE | --uncalibrated]
-                 [--calibration-tokens N] [--rounding nearest|gptq]
-                 [--pipeline model|layers [--device cuda] [--expert-tokens routed|all]]
+                 [--calibration-tokens N] [--rounding nearest|gptq] [--tune-epochs N]
+                 [--pipeline model|layers [--device cuda] [--expert-tokens routed|all]
+                                          [--tune-steps N [--tune-inputs float|quantized]]]
 
 Linear weights of the decoder layers (attention, MLP, MoE experts, shared
 experts, Gated DeltaNet projections) become A3B tensors; embeddings, norms,
@@ -39,7 +40,9 @@ and a calibrated conversion refuses a linear calibration gave no statistics. The
 metadata (row scales and block codes) and the norms' AWQ scales are tuned end
 to end against the source model over the same text (--tune-epochs passes,
 a3b_backend/quant/tune.py; 0 skips it; routed experts stored stacked keep
-their fitted metadata).
+their fitted metadata). --pipeline layers can tune each layer's dense linears'
+rounding and metadata block-wise instead (--tune-steps, AutoRound's recipe,
+a3b_backend/quant/block_tune.py; off by default).
 
 The result is written to DST_DIR.partial and renamed to DST_DIR only when
 complete, so a failed run never leaves a checkpoint that looks whole.
@@ -70,7 +73,8 @@ from a3b_backend.quant.format import (A3BConfig, A3BWeight, QuantizationError, d
                                       quantize)
 from a3b_backend.quant.gptq import quantize_gptq
 from a3b_backend.quant.names import OUTSIDE_TEXT_MODEL, TEXT_ONLY, Layout, LayoutError, layout_of
-from a3b_backend.quant.tune import BLOCK_WISE, TuneConfig, tune
+from a3b_backend.quant.block_tune import BlockTuneConfig, TuneInputs
+from a3b_backend.quant.tune import TuneConfig, tune
 
 KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 # Experts stored stacked as 3-D tensors [experts, out, in] in some checkpoints.
@@ -400,10 +404,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="gptq (the default with calibration): error-compensating rounding in column "
                              "order; nearest (the only choice with --uncalibrated)")
     parser.add_argument("--tune-epochs", type=int,
-                        help=f"passes over the calibration text tuning the metadata, end to end (--pipeline model, "
-                             f"default {TuneConfig.epochs}) or block-wise (--pipeline layers, default 0: on "
-                             f"qwen-tiny with outlier channels it raised the excess NLL, make bench-qwen-fidelity); "
-                             f"0: none")
+                        help=f"--pipeline model: passes over the calibration text tuning the metadata end to end "
+                             f"(default {TuneConfig.epochs}); 0: none")
+    parser.add_argument("--tune-steps", type=int,
+                        help="--pipeline layers: steps per layer tuning its rounding and metadata block-wise, "
+                             "AutoRound's recipe (a3b_backend/quant/block_tune.py; AutoRound takes 200); default 0, "
+                             "none: on SmolLM2 it never beat the error-compensating rounding on held-out windows")
+    parser.add_argument("--tune-inputs", choices=get_args(TuneInputs), default=BlockTuneConfig.inputs,
+                        help="--pipeline layers: tune each layer on the float chain's hidden states (default) or "
+                             "on the quantized layers' outputs passed on")
     parser.add_argument("--device", default="cpu",
                         help="--pipeline layers: where each layer is calibrated and rounded, cpu or cuda[:N] "
                              "(default cpu)")
@@ -422,6 +431,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ConversionError(f"--block-shape: {problem}; --cpu-only-blocks writes it for the CPU kernels alone")
         if args.pipeline == "layers" and args.uncalibrated:
             raise ConversionError("--pipeline layers calibrates: it cannot run --uncalibrated")
+        if args.pipeline == "model" and (args.tune_steps is not None or args.tune_inputs != BlockTuneConfig.inputs):
+            raise ConversionError("--tune-steps and --tune-inputs need --pipeline layers (the whole-model pipeline "
+                                  "tunes end to end: --tune-epochs)")
+        if args.pipeline == "layers" and args.tune_epochs is not None:
+            raise ConversionError("--tune-epochs needs --pipeline model; --pipeline layers tunes block-wise: "
+                                  "--tune-steps")
+        if args.tune_steps is not None and args.tune_steps < 0:
+            raise ConversionError(f"--tune-steps {args.tune_steps}: allowed are 0 (no tuning) or more")
         if args.pipeline == "model" and args.expert_tokens != "routed":
             raise ConversionError(f"--expert-tokens {args.expert_tokens} needs --pipeline layers")
         if args.pipeline == "model" and args.device != "cpu":
@@ -432,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
                 from a3b_backend.quant.sequential import convert_layers
 
                 convert_layers(args.src, args.dst, config, text, args.calibration_tokens, args.rounding or "gptq",
-                               dataclasses.replace(BLOCK_WISE, epochs=args.tune_epochs or 0), args.device,
+                               BlockTuneConfig(**({} if args.tune_steps is None else {"steps": args.tune_steps}),
+                                               inputs=args.tune_inputs), args.device,
                                args.expert_tokens == "all")
             else:
                 convert(args.src, args.dst, config, text, args.calibration_tokens, args.rounding,

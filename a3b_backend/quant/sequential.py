@@ -8,17 +8,20 @@ activations, in the order llm-compressor's sequential pipeline, AutoRound and GP
    (rotary cos/sin, masks, positions).
 2. Each decoder layer in turn: its tensors are read from the shards one at a time; the
    cached hidden states run through it while its linears', MoE block's and routed experts'
-   statistics are recorded; AWQ scales are searched and every linear rounded; the layer's
-   tensors go to a shard of their own; the dense linears' metadata is tuned block-wise
-   (`tune.tune_block`: the layer's output on each window against its float output there,
-   --tune-epochs passes); the layer takes its quantized weights and the windows run through it
-   again (as llm-compressor does by default), its outputs the next layer's inputs; then it is
-   freed. Routed experts are rounded in groups on their own tokens (quant/experts.py) and keep
-   their fitted metadata, as in the whole-model tune.
+   statistics are recorded; AWQ scales are searched and every linear rounded; the dense
+   linears' rounding and metadata are tuned block-wise (quant/block_tune.py, AutoRound's
+   recipe: the layer's output against the float layer's on the float chain, --tune-steps
+   sign-SGD steps, the best held-out iteration kept); the layer's tensors go to a shard of
+   their own and it takes its quantized weights. The next layer's inputs: tuned on the float
+   chain (--tune-inputs float), the float layer's outputs; otherwise the windows run through
+   the quantized layer again (as llm-compressor does by default), and when tuned on those
+   (--tune-inputs quantized) the float chain is carried beside them. Then the layer is freed.
+   Routed experts are rounded in groups on their own tokens (quant/experts.py) and keep their
+   fitted metadata, as in the whole-model tune.
 3. The rest (embedding, final norm, lm_head, an MTP layer, a vision tower) is copied as stored.
 
-Resumable: after each layer, DST.partial holds its shard, the hidden states and the
-progress; the same command after an interruption continues with the next layer.
+Resumable: after each layer, DST.partial holds its shard, the hidden states (both chains
+when two are carried) and the progress; the same command after an interruption continues with the next layer.
 
 --device cuda runs step 2 on a GPU: the layer, its windows' hidden states and call arguments
 are moved there, what the step allocates goes there (a torch.device context), and the
@@ -43,14 +46,14 @@ from safetensors.torch import load_file, save_file
 from torch.utils._pytree import tree_map_only
 from tqdm import tqdm
 
-from a3b_backend.quant import calibrate, checkpoint, tune
+from a3b_backend.quant import calibrate, checkpoint
+from a3b_backend.quant.block_tune import BlockTuneConfig, BlockTuned, tune_block
 from a3b_backend.quant.experts import round_experts
 from a3b_backend.quant.convert import (ZERO_CENTRED_NORMS, ConversionError, Rounding, awq_calibration,
                                        calibration_ids, calibration_record, check_paths, fold_norm_scale,
                                        folded_scales, quantization_config, quantize_linear, write_side_files)
 from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
 from a3b_backend.quant.names import Layout, LayoutError, layout_of
-from a3b_backend.quant.tune import BLOCK_WISE, TuneConfig
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -221,21 +224,27 @@ class LayerResult:
     expert_projections: int
     seconds: dict[str, float]  # statistics (the layer's forward over the windows), rounding (AWQ search
     # included) and tuning
+    float_outputs: list[torch.Tensor] | None = None  # the float layer's outputs on the float chain (tuned)
+    tuning: BlockTuned | None = None
 
 
 def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: list[torch.Tensor],
                    calls: list[tuple[tuple, dict]], config: A3BConfig, rounding: Rounding, zero_centred: bool,
-                   expert_names: set[str], tune_config: TuneConfig, every_expert: bool = False) -> LayerResult:
-    """Calibrates, rounds and tunes one loaded layer; its weights become their quantized values
-    (in the source's scale) for the next layer's inputs."""
+                   expert_names: set[str], tune_config: BlockTuneConfig, every_expert: bool = False,
+                   float_hidden: list[torch.Tensor] | None = None) -> LayerResult:
+    """Calibrates, rounds and tunes one loaded layer on `hidden`; its weights become their quantized
+    values (in the source's scale) for the next layer's inputs. Tuned, its targets are the float
+    layer's outputs on `float_hidden` (the float chain's inputs), or on `hidden` where that is the
+    float chain (None)."""
     prefix = f"model.layers.{index}."
     started = time.perf_counter()
     routed: dict[str, calibrate.RoutedInputs] = {}
-    float_outputs: list[torch.Tensor] = []  # the tuning's targets
+    tuned_here = tune_config.steps > 0
+    float_outputs = run_layer(layer, float_hidden, calls) if tuned_here and float_hidden is not None else []
 
     def run() -> None:
         outputs = run_layer(layer, hidden, calls)
-        if tune_config.epochs > 0:
+        if tuned_here and float_hidden is None:
             float_outputs.extend(outputs)
 
     stats = calibrate.record(layer, run, rounding == "gptq", prefix, routed if rounding == "gptq" else None,
@@ -252,6 +261,8 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
         out.update(q.tensors(source.layout.checkpoint(prefix + name) + ".weight"))
         linears[name].weight.data = per_linear[prefix + name].source(dequantize(q, config))
 
+    floats = {name: per_linear[prefix + name].scaled(linear.weight.float())[0] for name, linear in linears.items()
+              } if tuned_here else {}  # the tuning's float weights, as the checkpoint scales them
     dense = {name: quantize_linear(source.layout.checkpoint(prefix + name) + ".weight", linear.weight, config,
                                    per_linear, prefix + name) for name, linear in linears.items()}
     for name, q in dense.items():
@@ -272,15 +283,17 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
         out[name] = (fold_norm_scale(tensor.to(per_norm[module].device), per_norm[module], zero_centred)
                      if module in per_norm else tensor)
     rounded = time.perf_counter()
-    if tune_config.epochs > 0 and dense:
+    tuned = None
+    if tuned_here and dense:
         folds = {name: (per_linear[prefix + name].scale, per_linear[prefix + name].row_divisor) for name in dense}
+
         def run_window(i: int) -> torch.Tensor:
             args, kwargs = calls[i]
             return _output(layer(hidden[i], *args, **kwargs))
 
-        tuned = tune.tune_block(layer, dense, config, run_window, float_outputs, folds, tune_config)
-        for name, q in tuned.items():  # the linears back in their place, with the tuned values
-            parent, attr = name.rsplit(".", 1)
+        tuned = tune_block(layer, dense, config, run_window, float_outputs, folds, tune_config, index, floats)
+        for name, q in tuned.weights.items():  # the linears back in their place, with the tuned values
+            parent, _, attr = name.rpartition(".")
             setattr(layer.get_submodule(parent), attr, linears[name])
             store(name, q)
     scales = {f"{field}:{module}": scale.to("cpu", copy=True)
@@ -288,7 +301,7 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
     seconds = {"statistics": recorded - started, "rounding": rounded - recorded,
                "tuning": time.perf_counter() - rounded}
     return LayerResult({name: tensor.cpu() for name, tensor in out.items()}, scales, fallbacks, compensated,
-                       projections, seconds)
+                       projections, seconds, float_outputs if tuned_here else None, tuned)
 
 
 def windows_of(src: Path, text_path: Path, tokens: int) -> list[torch.Tensor]:
@@ -298,7 +311,7 @@ def windows_of(src: Path, text_path: Path, tokens: int) -> list[torch.Tensor]:
 
 
 def fingerprint(src: Path, text_path: Path, tokens: int, config: A3BConfig, rounding: Rounding,
-                tune_config: TuneConfig, every_expert: bool = False) -> str:
+                tune_config: BlockTuneConfig, every_expert: bool = False) -> str:
     """What an interrupted run must share with this one for its layers to be kept (not the device:
     a conversion interrupted on a GPU host may go on on the CPU)."""
     digest = hashlib.sha256()
@@ -328,7 +341,7 @@ def _save_atomic(write, path: Path) -> None:
 
 
 def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Path, calibration_tokens: int = 2048,
-                   rounding: Rounding = "gptq", tune_config: TuneConfig = BLOCK_WISE, device: str = "cpu",
+                   rounding: Rounding = "gptq", tune_config: BlockTuneConfig = BlockTuneConfig(), device: str = "cpu",
                    every_expert: bool = False) -> Path:
     target = check_device(device)
     model_config = check_paths(src, dst)
@@ -350,9 +363,11 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
             partial.mkdir()
             progress = {"fingerprint": stamp, "layers_done": 0, "experts_on_fallback": 0, "layers": []}
         done = progress["layers_done"]
+        # Tuned on quantized inputs, the float chain runs beside the quantized one (the targets' inputs)
+        float_hidden = [h.clone() for h in hidden] if tune_config.steps and tune_config.inputs == "quantized" else None
         if done:
             print(f"resuming {dst}: layers 0-{done - 1} of {len(layers)} were converted by an earlier run")
-            hidden = torch.load(partial / ACTIVATIONS)
+            hidden, float_hidden = torch.load(partial / ACTIVATIONS)
         bar = tqdm(range(done, len(layers)), desc="converting layers", unit="layer", initial=done, total=len(layers))
         for index in bar:
             started = time.perf_counter()
@@ -362,9 +377,15 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
             # a torch.device context intercepts every torch call: entered only where allocations must move
             with target if target.type != "cpu" else contextlib.nullcontext():
                 result = quantize_layer(layer, index, source, layer_hidden, layer_calls, config, rounding,
-                                        zero_centred, expert_names, tune_config, every_expert)
+                                        zero_centred, expert_names, tune_config, every_expert,
+                                        on_device(float_hidden, target))
                 passing_on = time.perf_counter()
-                hidden = [h.cpu() for h in run_layer(layer, layer_hidden, layer_calls)]
+                if result.float_outputs is not None and float_hidden is None:  # tuned on the float chain
+                    hidden = [h.cpu() for h in result.float_outputs]
+                else:
+                    hidden = [h.cpu() for h in run_layer(layer, layer_hidden, layer_calls)]
+                    if float_hidden is not None:
+                        float_hidden = [h.cpu() for h in result.float_outputs]
             passed_on = time.perf_counter() - passing_on
             layers[index] = None
             del layer, layer_calls, layer_hidden  # before the next is loaded: one layer in memory at a time
@@ -373,7 +394,7 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
                          partial / LAYER_SHARD(index))
             if result.scales:
                 _save_atomic(lambda p: save_file(result.scales, p), partial / f".scales-{index:05d}.safetensors")
-            _save_atomic(lambda p: torch.save(hidden, p), partial / ACTIVATIONS)
+            _save_atomic(lambda p: torch.save((hidden, float_hidden), p), partial / ACTIVATIONS)
             progress["layers_done"] = index + 1
             progress["experts_on_fallback"] += result.experts_on_fallback
             progress["layers"].append({**{k: round(v, 2) for k, v in result.seconds.items()},
@@ -383,11 +404,12 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
                                        "total": round(time.perf_counter() - started, 2),
                                        "peak_rss_gib": round(peak_rss_gib(), 3),
                                        **({"peak_gpu_gib": round(torch.cuda.max_memory_allocated(target) / 2**30, 3)}
-                                          if target.type == "cuda" else {})})
+                                          if target.type == "cuda" else {}),
+                                       **({"tuning": result.tuning.to_json()} if result.tuning else {})})
             _save_atomic(lambda p: p.write_text(json.dumps(progress)), partial / PROGRESS)
             bar.set_postfix_str(f"peak RSS {peak_rss_gib():.1f} GiB")
             result = None  # its tensors, written
-        _finish(source, partial, model_config, config, rounding, tune_config.epochs, progress, len(layers),
+        _finish(source, partial, model_config, config, rounding, tune_config, progress, len(layers),
                 calibration_record(calibration_text, calibration_tokens, progress["experts_on_fallback"]),
                 every_expert)
     report = json.loads((dst / REPORT).read_text())
@@ -414,7 +436,7 @@ def rest_groups(source: Source, limit: int = REST_SHARD_BYTES) -> list[list[str]
 
 
 def _finish(source: Source, partial: Path, model_config: dict, config: A3BConfig, rounding: Rounding,
-            tuned_epochs: int, progress: dict, layers: int, calibration: dict, every_expert: bool) -> None:
+            tune_config: BlockTuneConfig, progress: dict, layers: int, calibration: dict, every_expert: bool) -> None:
     groups = rest_groups(source)
     shards = layers + len(groups)
     for group_index, names in enumerate(groups):
@@ -437,8 +459,9 @@ def _finish(source: Source, partial: Path, model_config: dict, config: A3BConfig
             scales[field][module] = tensor
         part.unlink()
     write_side_files(source.path, partial, model_config,
-                     quantization_config(config, rounding, tuned_epochs, calibration, pipeline="layers",
-                                         **({"tuning": "block-wise"} if tuned_epochs else {}),
+                     quantization_config(config, rounding, 0, calibration, pipeline="layers",
+                                         **({"tuning": tuning_record(tune_config, progress["layers"])}
+                                            if tune_config.steps else {}),
                                          **({"expert_statistics": "every token"} if every_expert else {})), scales)
     linears = sum(1 for name in weight_map if name.endswith("_packed"))
     done = progress["layers"]
@@ -451,6 +474,16 @@ def _finish(source: Source, partial: Path, model_config: dict, config: A3BConfig
     for leftover in (PROGRESS, ACTIVATIONS):
         with contextlib.suppress(FileNotFoundError):
             (partial / leftover).unlink()
+
+
+def tuning_record(tune_config: BlockTuneConfig, layers: list[dict]) -> dict:
+    """What a tuned checkpoint's config says of its block-wise tuning: the settings, and per layer
+    the held-out loss before and after and the step kept (0: its untuned weights)."""
+    per_layer = [layer["tuning"] for layer in layers if "tuning" in layer]
+    return {"method": "block-wise", **tune_config.to_json(),
+            "layers_kept_untuned": sum(1 for t in per_layer if t["best_step"] == 0),
+            "held_out_loss": [[t["held_out_before"], t["held_out_after"]] for t in per_layer],
+            "best_step": [t["best_step"] for t in per_layer]}
 
 
 def _trim_heap() -> None:

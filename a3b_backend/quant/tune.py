@@ -17,7 +17,6 @@ The weights' 4-bit codes, the checkpoint's format and its bytes are unchanged.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import torch
 from torch.nn.utils import parametrize
@@ -32,14 +31,6 @@ class TuneConfig:
     lr: float = 5e-4  # Adam, on logarithms of scales, cosine-decayed to 0
     block_codes_lr: float = 0.03  # Adam on the block codes' offsets (in code units); 0: the codes stay
     seq_len: int = 512
-
-
-# Block-wise tuning (the layer pipeline, opt-in) takes one step per window and layer, and its
-# changes must survive rounding to bf16 row scales and whole block codes: at the end-to-end rates, 4
-# steps on a tiny Qwen3.5-MoE left every stored value as it was; at these, the logits' error on its
-# calibration text falls by more than 5% in 4 steps (tests/test_quant_sequential.py). On text the
-# model did not calibrate on it did worse than no tuning (make bench-qwen-fidelity): not the default.
-BLOCK_WISE = TuneConfig(epochs=0, lr=5e-3, block_codes_lr=0.1)
 
 
 def round_ste(x: torch.Tensor) -> torch.Tensor:
@@ -116,29 +107,13 @@ class Tuned:
     norm_gains: dict[str, torch.Tensor]  # per tuned norm: the factor its output gained
 
 
-class SourceInputs(torch.nn.Module):
-    """A TunedLinear fed the source model's inputs: they are divided by the AWQ scale the
-    checkpoint folds into what produces them, and its output rows multiplied by the row divisor
-    folded into its weight (the layer pipeline tunes inside the source's layer)."""
-
-    def __init__(self, linear: TunedLinear, scale: torch.Tensor | None, row_divisor: torch.Tensor | None):
-        super().__init__()
-        self.linear, self.scale, self.row_divisor = linear, scale, row_divisor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(x if self.scale is None else x / self.scale)
-        return y if self.row_divisor is None else y * self.row_divisor
-
-
-def _install(model: torch.nn.Module, weights: dict[str, A3BWeight], config: A3BConfig, tune_config: TuneConfig,
-             folds: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
+def _install(model: torch.nn.Module, weights: dict[str, A3BWeight], config: A3BConfig, tune_config: TuneConfig
              ) -> dict[str, TunedLinear]:
-    """Each named linear of `model` replaced by a TunedLinear of its A3B weight (with `folds`, by
-    name: (AWQ scale, row divisor), inside SourceInputs)."""
+    """Each named linear of `model` replaced by a TunedLinear of its A3B weight."""
     layers = {name: TunedLinear(w, config, tune_config.block_codes_lr > 0) for name, w in weights.items()}
     for name, layer in layers.items():
         parent, attr = name.rsplit(".", 1)
-        setattr(model.get_submodule(parent), attr, layer if folds is None else SourceInputs(layer, *folds[name]))
+        setattr(model.get_submodule(parent), attr, layer)
     return layers
 
 
@@ -189,22 +164,3 @@ def tune(teacher: torch.nn.Module, student: torch.nn.Module, weights: dict[str, 
                  {norm: gain.log_gain.detach().exp() for norm, gain in gains.items()})
 
 
-def tune_block(block: torch.nn.Module, weights: dict[str, A3BWeight], config: A3BConfig,
-               run: Callable[[int], torch.Tensor], targets: list[torch.Tensor],
-               folds: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]],
-               tune_config: TuneConfig = TuneConfig()) -> dict[str, A3BWeight]:
-    """Block-wise tuning (AutoRound's unit, the layer pipeline's): `block`'s named linears (names
-    within it) replaced by their A3B weights (`folds`: each one's AWQ scale and row divisor, or
-    None), whose metadata is fitted so `run(i)`, the block on window i's inputs, follows
-    `targets[i]`, its float output there (mean squared error relative to the target's mean
-    square). -> the weights with their tuned metadata; the block keeps the tuned modules until
-    the caller puts its linears back."""
-    block.requires_grad_(False)
-    layers = _install(block, weights, config, tune_config, folds)
-    steps = tune_config.epochs * len(targets)
-    optimizer, schedule = _optimizer(layers, {}, tune_config, steps)
-    for step in tqdm(range(steps), desc="tuning the layer's A3B metadata", unit="window", leave=False):
-        target = targets[step % len(targets)]
-        loss = (run(step % len(targets)) - target).square().mean() / target.square().mean().clamp_min(1e-12)
-        _step(optimizer, schedule, loss)
-    return {name: layer.stored(weights[name]) for name, layer in layers.items()}

