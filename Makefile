@@ -10,16 +10,16 @@ ifeq ($(origin PROFILE),command line)
 $(error PROFILE=$(PROFILE) is not read: name the profile with A3B_PROFILE=$(PROFILE), as make serve does)
 endif
 
-.PHONY: setup model model-qwen serve test test-distributed test-slow test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust locust-rag bench-overload bench-serving-path bench-serving-cpu bench-overhead bench-overhead-goal overhead-runs bench-prefix-cache bench-long-context bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu gpu-check gpu-check-dry-run profile-gpu kv-report quality quant-tools compare-quant compare-quant-a3b bench-convert-scale bench-qwen-fidelity bench-calibration-budget clean
+.PHONY: setup model model-qwen serve test test-distributed test-slow test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust locust-rag bench-overload bench-serving-path bench-serving-cpu bench-overhead bench-overhead-goal overhead-runs bench-prefix-cache bench-long-context bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu gpu-check gpu-check-dry-run profile-gpu kv-report quality quant-tools compare-quant compare-quant-a3b bench-convert-scale bench-qwen-fidelity bench-calibration-budget bench-block-tune clean
 
 setup:
 	bash scripts/setup.sh
 
 # The bf16 checkpoint, then the served default: it in A3B with a3b-quantize's
-# defaults (1x128 blocks, the built-in varied calibration text, error-compensating
-# rounding, one tuning pass) on a smaller budget than its 65,536 tokens, for time
-# (docs/quantization.md gives both budgets' quality).
-CALIBRATION_TOKENS ?= 8192
+# defaults (1x128 blocks, the built-in varied calibration text on 65,536 tokens,
+# error-compensating rounding, one tuning pass; docs/quantization.md gives its time
+# and what a smaller CALIBRATION_TOKENS costs).
+CALIBRATION_TOKENS ?= 65536
 model: setup
 	$(PY) -m a3b_backend.prepare.smollm2 --out $(MODEL_DIR)
 	test -d $(MODEL_DIR)-a3b || $(PY) -m a3b_backend.quant.convert $(MODEL_DIR) $(MODEL_DIR)-a3b \
@@ -27,11 +27,14 @@ model: setup
 
 # Qwen3.6-35B-A3B's architecture at toy width, random weights, and its A3B
 # conversion: the `qwen-tiny` profile's model (A3B_PROFILE=qwen-tiny make serve),
-# calibrated one decoder layer at a time, as the 35B model is (docs/quantization.md).
+# calibrated one decoder layer at a time, as the 35B model is (docs/quantization.md),
+# on 8,192 tokens: its random weights give calibration nothing to find at any budget
+# (make bench-qwen-fidelity), so the smaller budget saves make test's time.
+QWEN_CALIBRATION_TOKENS ?= 8192
 model-qwen: setup
 	$(PY) -m a3b_backend.prepare.qwen_tiny --out $(QWEN_TINY_DIR)
 	test -d $(QWEN_TINY_DIR)-a3b || $(PY) -m a3b_backend.quant.convert $(QWEN_TINY_DIR) $(QWEN_TINY_DIR)-a3b \
-	  --calibration-tokens $(CALIBRATION_TOKENS) --pipeline layers
+	  --calibration-tokens $(QWEN_CALIBRATION_TOKENS) --pipeline layers
 
 render: setup
 	$(PY) -m a3b_backend.deploy.repository
@@ -187,10 +190,16 @@ compare-quant-a3b: setup model
 bench-convert-scale: setup model-qwen
 	$(PY) perf/convert_scale.py
 
-# make model's 8,192-token calibration budget against a3b-quantize's default 65,536: SmolLM2's
-# perplexity in transformers at each (perf/results/calibration_budget/)
+# a3b-quantize's defaults on SmolLM2 at 8,192 calibration tokens against its default 65,536 (make
+# model's): perplexity in transformers on both held-out registers and conversion time at each
+# (perf/results/calibration_budget/)
 bench-calibration-budget: setup model
 	$(PY) perf/calibration_budget.py
+
+# block-wise tuning's settings on SmolLM2's first layers: each one's held-out loss against the
+# error-compensating rounding it starts from, by step (perf/results/block_tune/)
+bench-block-tune: setup model
+	$(PY) perf/block_tune_sweep.py
 
 # qwen-tiny's A3B conversions (uncalibrated, both pipelines) against its source, as built and with
 # outlier RMSNorm channels: excess NLL on sequences it samples (perf/results/qwen_fidelity/)

@@ -1,10 +1,11 @@
-"""make bench-calibration-budget: what `make model`'s smaller calibration budget costs.
+"""make bench-calibration-budget: what a smaller calibration budget costs.
 
-`make model` converts SmolLM2 with a3b-quantize's defaults on CALIBRATION_TOKENS (8,192) tokens of
-the built-in varied text, for make test's time; a3b-quantize's default is 65,536. This converts the
+`make model` converts SmolLM2 with a3b-quantize's defaults, 65,536 calibration tokens of the
+built-in varied text; until this round it took 8,192, for make test's time. This converts the
 model at both budgets (each in a process of its own, timed) and gives each checkpoint's perplexity
-on EVAL_TOKENS tokens of CPython's language reference (`pydoc_data.topics`, not calibrated on),
-dequantized into transformers in float32, beside the bf16 source's.
+on EVAL_TOKENS tokens of each held-out register (quality.REGISTERS: CPython's language reference,
+and the standard library's docstrings; neither calibrated on), dequantized into transformers in
+float32, beside the bf16 source's.
 """
 from __future__ import annotations
 
@@ -20,13 +21,14 @@ import torch
 from a3b_backend.bench.perf_report import machine
 from a3b_backend.profiles import PROJECT_ROOT
 from a3b_backend.quant.dequantized import float_model
-from a3b_backend.quant.quality import eval_text, perplexity
+from a3b_backend.quant.quality import REGISTERS, perplexity
 
 SOURCE = PROJECT_ROOT / "models" / "smollm2-135m-instruct"
 WORK = PROJECT_ROOT / "models" / "calibration_budget"
 OUT = PROJECT_ROOT / "perf" / "results" / "calibration_budget"
-BUDGETS = (8192, 65536)  # make model's, a3b-quantize's default
+BUDGETS = (8192, 65536)  # make model's before this round, a3b-quantize's default (make model's now)
 EVAL_TOKENS = 8192
+SERVED = PROJECT_ROOT / "models" / "smollm2-135m-instruct-a3b"  # make model's checkpoint
 
 
 def convert(tokens: int) -> tuple[float, object]:
@@ -46,36 +48,54 @@ def plot(rows: dict, path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3))
-    ax.barh(list(rows), [row["perplexity"] for row in rows.values()])
-    ax.set_xlabel(f"perplexity, {EVAL_TOKENS} tokens of CPython's language reference")
+    for offset, register in enumerate(REGISTERS):
+        ax.barh([i + 0.4 * offset for i in range(len(rows))], [row["perplexity"][register] for row in rows.values()],
+                height=0.4, label=register)
+    ax.set_yticks([i + 0.2 for i in range(len(rows))], list(rows))
+    ax.legend(fontsize=7)
+    ax.set_xlabel(f"perplexity, {EVAL_TOKENS} tokens of each held-out register")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.parse_args(argv)
+    parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS),
+                        help=f"the budgets to convert at (default {' '.join(map(str, BUDGETS))})")
+    args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
-    ids = torch.tensor(AutoTokenizer.from_pretrained(SOURCE).encode(eval_text())[:EVAL_TOKENS])
-    rows = {"bf16 source": {"perplexity": perplexity(float_model(SOURCE), ids), "conversion_s": None}}
-    for tokens in BUDGETS:
+    tokenizer = AutoTokenizer.from_pretrained(SOURCE)
+    ids = {register: torch.tensor(tokenizer.encode(text())[:EVAL_TOKENS]) for register, text in REGISTERS.items()}
+
+    def perplexities(checkpoint) -> dict[str, float]:
+        model = float_model(checkpoint)
+        return {register: perplexity(model, register_ids) for register, register_ids in ids.items()}
+
+    rows = {"bf16 source": {"perplexity": perplexities(SOURCE), "conversion_s": None}}
+    for tokens in args.budgets:
         seconds, dst = convert(tokens)
-        rows[f"A3B, {tokens} calibration tokens"] = {"perplexity": perplexity(float_model(dst), ids),
-                                                     "conversion_s": seconds}
-        print(f"{tokens} tokens: perplexity {rows[f'A3B, {tokens} calibration tokens']['perplexity']:.2f}", flush=True)
+        rows[f"A3B, {tokens} calibration tokens"] = {"perplexity": perplexities(dst), "conversion_s": seconds}
+        print(f"{tokens} tokens: perplexity {rows[f'A3B, {tokens} calibration tokens']['perplexity']}", flush=True)
+    if SERVED.is_dir():  # the served default beside the budgets: make model's conversion, its time not known here
+        served_tokens = json.loads((SERVED / "config.json").read_text())["quantization_config"]["calibration_tokens"]
+        rows[f"make model's checkpoint ({served_tokens} calibration tokens)"] = {
+            "perplexity": perplexities(SERVED), "conversion_s": None}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "calibration_budget.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
     base = rows["bf16 source"]["perplexity"]
-    lines = ["# make model's calibration budget against a3b-quantize's default (SmolLM2-135M-Instruct)", "",
-             f"Machine: {machine()}. Command: `make bench-calibration-budget`. a3b-quantize's defaults (built-in "
+    lines = ["# Calibration budgets: 8,192 tokens against a3b-quantize's default (SmolLM2-135M-Instruct)", "",
+             f"Machine: {machine()}. Command: `{' '.join(['python', 'perf/calibration_budget.py', *(argv or sys.argv[1:])])}`"
+             " (`make bench-calibration-budget` runs it without options). a3b-quantize's defaults (built-in "
              "varied text, error-compensating rounding, one end-to-end tuning pass) at each budget; perplexity on "
-             f"{EVAL_TOKENS} tokens of CPython's language reference in windows of 512, float32 in transformers "
+             f"{EVAL_TOKENS} tokens of each held-out register in windows of 512, float32 in transformers "
              "(the A3B weights dequantized).", "",
-             "| checkpoint | perplexity | vs bf16 | conversion s |", "|---|---|---|---|"]
+             "| checkpoint | " + "".join(f"perplexity, {register} | vs bf16 | " for register in REGISTERS)
+             + "conversion s |", "|---" * (2 + 2 * len(REGISTERS)) + "|"]
     for name, row in rows.items():
         seconds = "" if row["conversion_s"] is None else f"{row['conversion_s']:.0f}"
-        lines.append(f"| {name} | {row['perplexity']:.2f} | {row['perplexity'] / base - 1:+.1%} | {seconds} |")
+        lines.append(f"| {name} | " + "".join(f"{row['perplexity'][r]:.2f} | {row['perplexity'][r] / base[r] - 1:+.1%} | "
+                                               for r in REGISTERS) + f"{seconds} |")
     (OUT / "calibration_budget.md").write_text("\n".join(lines + ["", "![plot](calibration_budget.png)"]) + "\n")
     plot(rows, OUT / "calibration_budget.png")
     print((OUT / "calibration_budget.md").read_text())
