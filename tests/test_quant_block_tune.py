@@ -65,15 +65,24 @@ def _windows(count: int, width: int = 64) -> list[torch.Tensor]:
     return [torch.randn(1, 32, width, generator=generator) * gains for _ in range(count)]
 
 
-def test_tuning_lowers_the_held_out_loss_and_changes_the_stored_codes():
-    torch.manual_seed(3)
+def _tune(block: Block, inputs: list, targets: list, weights: dict, floats: dict, tune_config: BlockTuneConfig):
+    return tune_block(block, weights, CONFIG, lambda i: block(inputs[i]), targets, {name: (None, None) for name in
+                      weights}, tune_config, floats=floats)
+
+
+def _setup(seed: int) -> tuple[Block, list, list, dict, dict]:
+    """A block, its windows, its float outputs there, and its linears rounded (the block holding them)."""
+    torch.manual_seed(seed)
     block = Block()
     inputs = _windows(2 * HELD_OUT_EVERY)
     with torch.no_grad():
         targets = [block(x) for x in inputs]
-    weights, floats = _quantized(block)
-    tuned = tune_block(block, weights, CONFIG, lambda i: block(inputs[i]), targets, {"up": (None, None),
-                       "down": (None, None)}, BlockTuneConfig(steps=40, batch=2, evaluate_every=10), floats=floats)
+    return block, inputs, targets, *_quantized(block)
+
+
+def test_tuning_lowers_the_held_out_loss_and_changes_the_stored_codes():
+    block, inputs, targets, weights, floats = _setup(3)
+    tuned = _tune(block, inputs, targets, weights, floats, BlockTuneConfig(steps=40, batch=2, evaluate_every=10))
     assert tuned.best_step > 0 and tuned.held_out_after < 0.9 * tuned.held_out_before, tuned
     assert all(not torch.equal(unpack_codes(tuned.weights[n].packed), unpack_codes(weights[n].packed))
                for n in weights)
@@ -90,17 +99,10 @@ def test_tuning_lowers_the_held_out_loss_and_changes_the_stored_codes():
 
 def test_a_tuning_that_never_beats_its_start_keeps_the_untuned_weights():
     """Held-out targets that the untuned rounding meets exactly: any tuned step is worse there."""
-    torch.manual_seed(4)
-    block = Block()
-    inputs = _windows(2 * HELD_OUT_EVERY)
-    with torch.no_grad():
-        targets = [block(x) for x in inputs]
-    weights, floats = _quantized(block)
+    block, inputs, targets, weights, floats = _setup(4)
     with torch.no_grad():
         for i in held_out_windows(len(inputs)):
             targets[i] = block(inputs[i])
-    tuned = tune_block(block, weights, CONFIG, lambda i: block(inputs[i]), targets,
-                       {"up": (None, None), "down": (None, None)}, BlockTuneConfig(steps=4, batch=2, evaluate_every=1),
-                       floats=floats)
+    tuned = _tune(block, inputs, targets, weights, floats, BlockTuneConfig(steps=4, batch=2, evaluate_every=1))
     assert tuned.best_step == 0 and tuned.held_out_after == tuned.held_out_before < 1e-9
     assert all(tuned.weights[n] is weights[n] for n in weights)

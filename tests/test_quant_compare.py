@@ -4,6 +4,7 @@ import sys
 import pytest
 
 from a3b_backend.profiles import PROJECT_ROOT
+from a3b_backend.quant.quality import REGISTERS
 
 sys.path.insert(0, str(PROJECT_ROOT / "perf" / "quant_compare"))
 
@@ -19,10 +20,21 @@ def test_bits_per_weight_count_every_stored_tensor_of_the_quantized_layers():
     assert a3b_bits == pytest.approx(4.25, abs=0.01)
 
 
-def test_evaluation_windows_cover_the_tokens_once(tokenizer):
-    windows = compare.eval_windows(tokenizer)
-    assert sum(len(w) - 1 for w in windows) == compare.EVAL_TOKENS
-    assert all(a[-1] == b[0] for a, b in zip(windows, windows[1:]))
+def test_evaluation_windows_cover_the_tokens_once_per_register(tokenizer):
+    by_register = compare.eval_windows(tokenizer)
+    assert list(by_register) == list(REGISTERS)
+    for windows in by_register.values():
+        assert sum(len(w) - 1 for w in windows) == compare.EVAL_TOKENS
+        assert all(a[-1] == b[0] for a, b in zip(windows, windows[1:]))
+
+
+def test_the_report_gives_each_register_and_redraws_a_run_before_the_prose_register():
+    row = {"variant": "bf16", "peer_kernel": None, "bits_per_weight": 16.0, "linear_resident_bytes": 0,
+           "kernels": ["bf16"], "greedy_tokens": [[1, 2]], "decode": [10.0], "ttft": [0.1]}
+    now = {**row, "perplexity": {register: 10.0 + i for i, register in enumerate(REGISTERS)}}
+    before = {**row, "perplexity": 12.0}
+    assert all(f"perplexity, {register}" in compare.markdown([now]) for register in REGISTERS)
+    assert "| 12.00 | +0.0% |" in compare.markdown([before]) and "prose" not in compare.markdown([before])
 
 
 def test_a_checkpoint_is_rebuilt_when_its_command_or_the_calibration_text_changes(tmp_path):
