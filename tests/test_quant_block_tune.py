@@ -66,8 +66,8 @@ def _windows(count: int, width: int = 64) -> list[torch.Tensor]:
 
 
 def _tune(block: Block, inputs: list, targets: list, weights: dict, floats: dict, tune_config: BlockTuneConfig):
-    return tune_block(block, weights, CONFIG, lambda i: block(inputs[i]), targets, {name: (None, None) for name in
-                      weights}, tune_config, floats=floats)
+    return tune_block(block, weights, floats, CONFIG, lambda i: block(inputs[i]), targets,
+                      {name: (None, None) for name in weights}, tune_config)
 
 
 def _setup(seed: int) -> tuple[Block, list, list, dict, dict]:

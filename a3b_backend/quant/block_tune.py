@@ -177,16 +177,16 @@ def held_out_windows(count: int) -> list[int]:
     return list(range(HELD_OUT_EVERY - 1, count, HELD_OUT_EVERY)) if count >= 2 * HELD_OUT_EVERY else []
 
 
-def tune_block(block: torch.nn.Module, weights: dict[str, A3BWeight], config: A3BConfig,
-               run: Callable[[int], torch.Tensor], targets: list[torch.Tensor],
+def tune_block(block: torch.nn.Module, weights: dict[str, A3BWeight], floats: dict[str, torch.Tensor],
+               config: A3BConfig, run: Callable[[int], torch.Tensor], targets: list[torch.Tensor],
                folds: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]],
-               tune_config: BlockTuneConfig, seed: int = 0, floats: dict[str, torch.Tensor] | None = None
-               ) -> BlockTuned:
-    """`block`'s named linears (names within it) replaced by RoundedLinears of their A3B weights
-    (`folds`: each one's AWQ scale and row divisor, or None), tuned so `run(i)`, the block on
-    window i's inputs, follows `targets[i]`. The block keeps the tuned modules until the caller
-    puts its linears back. With fewer than 2 * HELD_OUT_EVERY windows none are held out and the
-    best iteration is chosen on all of them."""
+               tune_config: BlockTuneConfig, seed: int = 0) -> BlockTuned:
+    """`block`'s named linears (names within it), holding their A3B weights' values when called,
+    replaced by RoundedLinears of those weights (`floats`: their float weights as the checkpoint
+    scales them; `folds`: each one's AWQ scale and row divisor, or None), tuned so `run(i)`, the
+    block on window i's inputs, follows `targets[i]`. The block keeps the tuned modules until the
+    caller puts its linears back. With fewer than 2 * HELD_OUT_EVERY windows none are held out
+    and the best iteration is chosen on all of them."""
     block.requires_grad_(False)
     held_out = held_out_windows(len(targets))
     train = [i for i in range(len(targets)) if i not in set(held_out)] or list(range(len(targets)))

@@ -291,7 +291,7 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
             args, kwargs = calls[i]
             return _output(layer(hidden[i], *args, **kwargs))
 
-        tuned = tune_block(layer, dense, config, run_window, float_outputs, folds, tune_config, index, floats)
+        tuned = tune_block(layer, dense, floats, config, run_window, float_outputs, folds, tune_config, index)
         for name, q in tuned.weights.items():  # the linears back in their place, with the tuned values
             parent, _, attr = name.rpartition(".")
             setattr(layer.get_submodule(parent), attr, linears[name])
