@@ -8,15 +8,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from test_quant_convert import CONFIG, QWEN35, tensors, tiny
 
 from a3b_backend.prepare.qwen_tiny import real_layout
+from a3b_backend.profiles import PROJECT_ROOT
 from a3b_backend.quant import calibrate, sequential
 from a3b_backend.quant.dequantized import float_model
 from a3b_backend.quant.convert import ConversionError, convert, main
 from a3b_backend.quant.block_tune import BlockTuneConfig
 from a3b_backend.quant.tune import TuneConfig
+
+sys.path.insert(0, str(PROJECT_ROOT / "perf"))
+import qwen_fidelity  # noqa: E402  (its outlier channels, as make bench-qwen-fidelity adds them)
 
 TEXT = "The quick brown fox jumps over the lazy dog. A lazy dog sleeps in the sun all day. " * 60
 
@@ -100,8 +104,8 @@ def test_block_wise_tuning_brings_the_output_closer_to_the_source(tmp_path, toke
     """Each layer's dense linears' rounding and metadata tuned against the layer's float output on a
     model with outlier channels: stored codes change, the held-out block loss falls, the whole
     model's error falls, and the config says what ran."""
-    src = checkpoint(tmp_path, tokenizer, "qwen3_5_moe_text", QWEN35, published=True)
-    with_outliers(src)
+    src = qwen_fidelity.with_outliers(checkpoint(tmp_path, tokenizer, "qwen3_5_moe_text", QWEN35, published=True),
+                                      tmp_path / "outliers")
     ids = torch.tensor([tokenizer.encode(TEXT[:600])])
     with torch.no_grad():
         reference = float_model(src)(ids).logits
@@ -111,6 +115,9 @@ def test_block_wise_tuning_brings_the_output_closer_to_the_source(tmp_path, toke
                                         tune_config=BlockTuneConfig(steps=steps, batch=2, evaluate_every=5))
         quantization = json.loads((dst / "config.json").read_text())["quantization_config"]
         assert ("tuning" in quantization) == (steps > 0)
+        per_layer = json.loads((dst / sequential.REPORT).read_text())["per_layer"]
+        assert all(isinstance(layer["tuning"], float) for layer in per_layer)  # seconds, as bench-convert-scale reads
+        assert all(("block_tuning" in layer) == (steps > 0) for layer in per_layer)
         with torch.no_grad():
             errors[steps] = float((float_model(dst)(ids).logits - reference).norm() / reference.norm())
         codes[steps] = {n: t for n, t in tensors(dst).items() if n.endswith("_packed") and ".experts." not in n}
@@ -121,16 +128,6 @@ def test_block_wise_tuning_brings_the_output_closer_to_the_source(tmp_path, toke
     assert tuning["layers_kept_untuned"] == sum(step == 0 for step in tuning["best_step"])
     assert errors[30] < 0.95 * errors[0], errors
     assert any(not torch.equal(codes[30][n], codes[0][n]) for n in codes[0])
-
-
-def with_outliers(src: Path, channels: int = 3, gain: float = 20.0) -> None:
-    """src's decoder-layer RMSNorms (zero-centred) with a few channels at a large gain, as trained models have."""
-    shard = next(src.glob("*.safetensors"))
-    state = load_file(shard)
-    for name, tensor in state.items():
-        if name.endswith("layernorm.weight") and ".layers." in name and not name.startswith("mtp."):
-            tensor[:channels] = gain - 1
-    save_file(state, shard, metadata={"format": "pt"})
 
 
 def test_an_interrupted_conversion_resumes_from_the_next_layer(tmp_path, tokenizer, text, monkeypatch, capsys):
@@ -186,6 +183,7 @@ def test_refusals(tmp_path, tokenizer, text):
     (["--tune-inputs", "quantized"], "--tune-steps and --tune-inputs need --pipeline layers"),
     (["--pipeline", "layers", "--tune-epochs", "1"], "--tune-epochs needs --pipeline model"),
     (["--pipeline", "layers", "--tune-steps", "-1"], "--tune-steps -1: allowed are 0"),
+    (["--pipeline", "layers", "--tune-inputs", "float"], "--tune-inputs float chooses what --tune-steps N tunes on"),
 ])
 def test_tuning_options_of_the_other_pipeline_are_refused_naming_them(tmp_path, tokenizer, text, capsys, options,
                                                                       named):

@@ -410,9 +410,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="--pipeline layers: steps per layer tuning its rounding and metadata block-wise, "
                              "AutoRound's recipe (a3b_backend/quant/block_tune.py; AutoRound takes 200); default 0, "
                              "none: on SmolLM2 it never beat the error-compensating rounding on held-out windows")
-    parser.add_argument("--tune-inputs", choices=get_args(TuneInputs), default=BlockTuneConfig.inputs,
-                        help="--pipeline layers: tune each layer on the float chain's hidden states (default) or "
-                             "on the quantized layers' outputs passed on")
+    parser.add_argument("--tune-inputs", choices=get_args(TuneInputs),
+                        help=f"--pipeline layers with --tune-steps: tune each layer on the float chain's hidden "
+                             f"states or on the quantized layers' outputs passed on (default {BlockTuneConfig.inputs})")
     parser.add_argument("--device", default="cpu",
                         help="--pipeline layers: where each layer is calibrated and rounded, cpu or cuda[:N] "
                              "(default cpu)")
@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConversionError(f"--block-shape: {problem}; --cpu-only-blocks writes it for the CPU kernels alone")
         if args.pipeline == "layers" and args.uncalibrated:
             raise ConversionError("--pipeline layers calibrates: it cannot run --uncalibrated")
-        if args.pipeline == "model" and (args.tune_steps is not None or args.tune_inputs != BlockTuneConfig.inputs):
+        if args.pipeline == "model" and (args.tune_steps is not None or args.tune_inputs is not None):
             raise ConversionError("--tune-steps and --tune-inputs need --pipeline layers (the whole-model pipeline "
                                   "tunes end to end: --tune-epochs)")
         if args.pipeline == "layers" and args.tune_epochs is not None:
@@ -439,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
                                   "--tune-steps")
         if args.tune_steps is not None and args.tune_steps < 0:
             raise ConversionError(f"--tune-steps {args.tune_steps}: allowed are 0 (no tuning) or more")
+        if args.tune_inputs is not None and not args.tune_steps:
+            raise ConversionError(f"--tune-inputs {args.tune_inputs} chooses what --tune-steps N tunes on: give "
+                                  "--tune-steps N > 0 with it")
         if args.pipeline == "model" and args.expert_tokens != "routed":
             raise ConversionError(f"--expert-tokens {args.expert_tokens} needs --pipeline layers")
         if args.pipeline == "model" and args.device != "cpu":
@@ -450,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 convert_layers(args.src, args.dst, config, text, args.calibration_tokens, args.rounding or "gptq",
                                BlockTuneConfig(**({} if args.tune_steps is None else {"steps": args.tune_steps}),
-                                               inputs=args.tune_inputs), args.device,
+                                               inputs=args.tune_inputs or BlockTuneConfig.inputs), args.device,
                                args.expert_tokens == "all")
             else:
                 convert(args.src, args.dst, config, text, args.calibration_tokens, args.rounding,

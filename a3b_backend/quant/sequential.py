@@ -405,7 +405,7 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
                                        "peak_rss_gib": round(peak_rss_gib(), 3),
                                        **({"peak_gpu_gib": round(torch.cuda.max_memory_allocated(target) / 2**30, 3)}
                                           if target.type == "cuda" else {}),
-                                       **({"tuning": result.tuning.to_json()} if result.tuning else {})})
+                                       **({"block_tuning": result.tuning.to_json()} if result.tuning else {})})
             _save_atomic(lambda p: p.write_text(json.dumps(progress)), partial / PROGRESS)
             bar.set_postfix_str(f"peak RSS {peak_rss_gib():.1f} GiB")
             result = None  # its tensors, written
@@ -479,7 +479,7 @@ def _finish(source: Source, partial: Path, model_config: dict, config: A3BConfig
 def tuning_record(tune_config: BlockTuneConfig, layers: list[dict]) -> dict:
     """What a tuned checkpoint's config says of its block-wise tuning: the settings, and per layer
     the held-out loss before and after and the step kept (0: its untuned weights)."""
-    per_layer = [layer["tuning"] for layer in layers if "tuning" in layer]
+    per_layer = [layer["block_tuning"] for layer in layers if "block_tuning" in layer]
     return {"method": "block-wise", **tune_config.to_json(),
             "layers_kept_untuned": sum(1 for t in per_layer if t["best_step"] == 0),
             "held_out_loss": [[t["held_out_before"], t["held_out_after"]] for t in per_layer],
