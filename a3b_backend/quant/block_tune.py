@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from a3b_backend.quant.format import (CODE_RANGES, A3BConfig, A3BWeight, assign, dequantize, pack_codes,
                                       table_params, unpack_codes)
+from a3b_backend.quant.tune import round_ste
 
 # Which chain's hidden states the quantized layer is tuned on (its targets are always the float
 # layer's outputs on the float chain): "float", the float chain's (and its statistics from them),
@@ -61,11 +62,6 @@ class BlockTuneConfig:
         return dataclasses.asdict(self)
 
 
-def _straight_through(value: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
-    """`rounded` forward, identity backward."""
-    return value + (rounded - value).detach()
-
-
 class RoundedLinear(torch.nn.Module):
     """A quantized linear whose rounding and table are trainable; computes the weight it stores."""
 
@@ -75,7 +71,7 @@ class RoundedLinear(torch.nn.Module):
         for kind in CODE_RANGES:
             self.register_buffer(f"{kind}_code", getattr(weight, kind).float())
         self.register_buffer("fitted", torch.stack([weight.lo_scale.float(), weight.step_scale.float()]))
-        lo, step, delta = (self._per_weight(t) for t in table_params(weight))
+        _, step, delta = (self._per_weight(t) for t in table_params(weight))
         self.register_buffer("spacing", step / 2)
         plus = (unpack_codes(weight.packed)[:, :weight.in_features] & 1).bool()
         self.register_buffer("start", _into_cell(float_weight.float(), dequantize(weight, config), plus, step, delta))
@@ -88,14 +84,20 @@ class RoundedLinear(torch.nn.Module):
         out, inp = self.source.out_features, self.source.in_features
         return t.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:out, :inp]
 
+    def _codes(self) -> list[torch.Tensor]:
+        """lo, step and delta codes as tuned: whole numbers in their stored ranges (straight-through)."""
+        return [round_ste(getattr(self, f"{kind}_code") + offset).clamp(*CODE_RANGES[kind])
+                for kind, offset in zip(CODE_RANGES, self.code_offsets)]
+
+    def _scales(self) -> torch.Tensor:
+        """[2, block rows]: lo_scale and step_scale as tuned, rounded to bf16 as stored (straight-through)."""
+        scales = self.fitted * self.log_gain.exp()
+        return scales + (scales.to(torch.bfloat16).float() - scales).detach()
+
     def table(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per block (lo, step, delta) as the checkpoint would store them now."""
-        scales = self.fitted * self.log_gain.exp()
-        lo_scale, step_scale = _straight_through(scales, scales.to(torch.bfloat16).float())
-        lo_q, step_q, delta_q = (_straight_through(getattr(self, f"{kind}_code") + offset,
-                                                   (getattr(self, f"{kind}_code") + offset).round()
-                                                   ).clamp(*CODE_RANGES[kind])
-                                 for kind, offset in zip(CODE_RANGES, self.code_offsets))
+        lo_q, step_q, delta_q = self._codes()
+        lo_scale, step_scale = self._scales()
         step = step_q * step_scale[:, None]
         return lo_q * lo_scale[:, None], step, step * delta_q / 255
 
@@ -108,7 +110,8 @@ class RoundedLinear(torch.nn.Module):
         with torch.no_grad():
             level, plus = assign(point, lo, step, delta)
         value = lo + level * step + (plus.float() * 2 - 1) * delta
-        return _straight_through(point, value.detach()) + value - value.detach()
+        # the table's value forward; backward, the rounding point's gradient and the table's
+        return point + (value - point).detach() + value - value.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight())
@@ -117,12 +120,10 @@ class RoundedLinear(torch.nn.Module):
     def stored(self) -> A3BWeight:
         """The weight as tuned: its table's codes and scales, and each weight's code assigned
         against that stored table."""
-        scales = (self.fitted * self.log_gain.exp()).to(torch.bfloat16)
-        lo_q = (self.lo_code + self.code_offsets[0]).round().clamp(*CODE_RANGES["lo"])
-        step_q = (self.step_code + self.code_offsets[1]).round().clamp(*CODE_RANGES["step"])
-        delta_q = (self.delta_code + self.code_offsets[2]).round().clamp(*CODE_RANGES["delta"])
+        lo_q, step_q, delta_q = self._codes()
+        lo_scale, step_scale = self._scales().to(torch.bfloat16)
         q = dataclasses.replace(self.source, lo=lo_q.to(torch.int8), step=step_q.to(torch.uint8),
-                                delta=delta_q.to(torch.uint8), lo_scale=scales[0], step_scale=scales[1])
+                                delta=delta_q.to(torch.uint8), lo_scale=lo_scale, step_scale=step_scale)
         lo, step, delta = (self._per_weight(t) for t in table_params(q))
         level, plus = assign(self._point(), lo, step, delta)
         codes = (level.to(torch.uint8) << 1) | plus.to(torch.uint8)
@@ -165,7 +166,7 @@ class BlockTuned:
     held_out_before: float  # the held-out loss of the untuned rounding
     held_out_after: float  # of what is returned
     best_step: int  # 0: no tuned iteration beat the untuned weights, which are returned
-    history: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (step, held-out loss)
+    history: list[tuple[int, float]]  # (step, held-out loss) at each evaluation
 
     def to_json(self) -> dict:
         return {"held_out_before": round(self.held_out_before, 6), "held_out_after": round(self.held_out_after, 6),
@@ -232,18 +233,19 @@ def tune_block(block: torch.nn.Module, weights: dict[str, A3BWeight], floats: di
             for i in batch:
                 (loss(i) / len(batch)).backward()
             decay = 1 - step / steps
+            lr = {kind: 2 * travel[kind] / steps * decay for kind in groups}
             with torch.no_grad():
-                if adam is not None:
+                if adam is None:
+                    for kind, ps in groups.items():
+                        for p in ps:
+                            if p.grad is not None:
+                                p.sub_(lr[kind] * p.grad.sign())
+                else:
                     for group, kind in zip(adam.param_groups, groups):
-                        group["lr"] = 2 * travel[kind] / steps * decay
+                        group["lr"] = lr[kind]
                     adam.step()
-                for kind, ps in groups.items():
-                    lr = 2 * travel[kind] / steps * decay
-                    for p in ps:
-                        if adam is None and p.grad is not None:
-                            p.sub_(lr * p.grad.sign())
-                        if kind == "rounding":
-                            p.clamp_(-ROUNDING_BOUND, ROUNDING_BOUND)
+                for p in groups["rounding"]:
+                    p.clamp_(-ROUNDING_BOUND, ROUNDING_BOUND)
             if (step + 1) % tune_config.evaluate_every == 0 or step + 1 == steps:
                 current = evaluate()
                 history.append((step + 1, current))
