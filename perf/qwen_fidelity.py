@@ -39,13 +39,17 @@ CALIBRATION_TOKENS = 8192
 OUTLIER_CHANNELS, OUTLIER_GAIN = 4, 20.0
 NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
 SEQUENCES, SEQUENCE_TOKENS = 16, 128
+# Block-wise tuning's steps per layer: make bench-block-tune's 60, not AutoRound's 200, which would
+# take over an hour of a 2-core run (make bench-block-tune: ~55 s a SmolLM2 layer for 60 steps)
+# for settings that kept the untuned layers there
+TUNE_STEPS = 60
 # label -> (checkpoint directory's name, a3b-quantize options)
 VARIANTS = {
     "uncalibrated": ("uncalibrated", ["--uncalibrated"]),
     "whole model, no tuning": ("model-untuned", ["--pipeline", "model", "--tune-epochs", "0"]),
     "whole model, tuned": ("model", ["--pipeline", "model"]),
     "layers (the 35B path)": ("layers", ["--pipeline", "layers"]),
-    "layers, tuned block-wise": ("layers-tuned", ["--pipeline", "layers", "--tune-steps", "200"]),
+    "layers, tuned block-wise": ("layers-tuned", ["--pipeline", "layers", "--tune-steps", str(TUNE_STEPS)]),
     "layers, experts on every token": ("layers-every-token", ["--pipeline", "layers", "--expert-tokens", "all"]),
 }
 

@@ -10,8 +10,8 @@ Variants (checkpoints under models/quant_compare/, built once, with progress):
   A3B, no tuning  the same with --tune-epochs 0 (no end-to-end metadata tuning)
   A3B, layer pipeline  the same rounding by --pipeline layers (one decoder layer at a
                   time, quantized outputs passed on, no tuning: its default)
-  A3B, layer pipeline, tuned block-wise  the same with --tune-steps 200 (each layer's
-                  rounding and metadata tuned against its float output, AutoRound's recipe)
+  A3B, layer pipeline, tuned block-wise  the same with --tune-steps TUNE_STEPS (each
+                  layer's rounding and metadata tuned against its float output, AutoRound's recipe)
   A3B, nearest rounding  the same, each weight on its fitted table's nearest entry
   A3B uncalibrated  --uncalibrated
   GPTQ W4A16 g64  llm-compressor GPTQModifier, symmetric (perf/quant_compare/peers.py)
@@ -70,6 +70,10 @@ WORK_DIR = PROJECT_ROOT / "models" / "quant_compare"
 QUANT_PYTHON = PROJECT_ROOT / ".venv-quant" / "bin" / "python"
 OUT = PROJECT_ROOT / "perf" / "results" / "quant_compare"
 SEQUENCES, SEQ_LEN, EVAL_TOKENS, GROUP_SIZE = 128, 512, 8192, 64
+# Block-wise tuning's steps per layer: make bench-block-tune's 60, not AutoRound's 200, which would
+# take over an hour of a 2-core run (make bench-block-tune: ~55 s a SmolLM2 layer for 60 steps)
+# for settings that kept the untuned layers there
+TUNE_STEPS = 60
 AGREEMENT_TOKENS, DECODE_TOKENS = 32, 64
 KV_CACHE_BYTES = 512 * 2**20
 DTYPE = "bfloat16"
@@ -117,7 +121,7 @@ def variants(calibration: Path) -> list[Variant]:
             a3b("A3B, no tuning", "a3b-gptq-untuned", *calibrated, "--rounding", "gptq", "--tune-epochs", "0"),
             a3b("A3B, layer pipeline", "a3b-gptq-layers", *calibrated, "--rounding", "gptq", "--pipeline", "layers"),
             a3b("A3B, layer pipeline, tuned block-wise", "a3b-gptq-layers-tuned", *calibrated, "--rounding", "gptq",
-                "--pipeline", "layers", "--tune-steps", "200"),
+                "--pipeline", "layers", "--tune-steps", str(TUNE_STEPS)),
             a3b("A3B, nearest rounding", "a3b", *calibrated, "--rounding", "nearest"),
             a3b("A3B uncalibrated", "a3b-uncalibrated", "--uncalibrated"),
             *(llm_compressor(method, kernel) for method in ("gptq", "awq") for kernel in typing.get_args(PeerKernel))]
