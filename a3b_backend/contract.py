@@ -30,9 +30,13 @@ def names(tensors: tuple[Tensor, ...]) -> tuple[str, ...]:
 LLM_MODEL = "a3b_llm"
 # The text-level model clients address (tokenizer -> LLM -> detokenizer).
 ENSEMBLE_MODEL = "ensemble"
+# The same contract in one Python model calling a3b_llm by BLS: a cancellation stops the engine at once.
+BLS_MODEL = "a3b_bls"
 POSTPROCESS_CONFIG = "postprocess_config"
 ABORT_REQUEST_ID = "abort_request_id"
 REQUEST_ID = "request_id"
+# TensorRT-LLM's stop input: a request with it true ends the generations sent with the same request id.
+STOP = "stop"
 
 
 VLLM_BACKEND_INPUTS = (
@@ -91,7 +95,9 @@ TEXT_OUTPUTS = (
 
 # preprocessing -> a3b_llm
 LLM_REQUEST_INPUTS = (
-    _t("input_ids", "INT32", (-1,), optional=False),
+    # Optional in the config although a generation needs it: a stop request has none
+    # (a3b_llm names it when a generation lacks it).
+    _t("input_ids", "INT32", (-1,)),
     _t("sampling_parameters", "STRING"),
     _t("stream", "BOOL"),
     # Opaque JSON echoed on every response: postprocessing is fed only by the
@@ -100,10 +106,12 @@ LLM_REQUEST_INPUTS = (
     # JSON for a3b_llm's per-request reasoning/tool-call parser ("" = none)
     _t("parser_config", "STRING"),
 )
-# A control request: abort the generation with this request_id. Triton 2.51
-# does not pass an ensemble client's cancellation to a3b_llm, but
-# postprocessing sees it and forwards it with this.
-LLM_CONTROL_INPUTS = (_t(ABORT_REQUEST_ID, "STRING"),)
+# Control requests. abort_request_id: abort the generation with this request_id
+# (a3b_llm's response output); Triton 2.51 does not pass an ensemble client's
+# cancellation to a3b_llm, but postprocessing sees it and forwards it with
+# this. stop: end the generations sent with this request's own id (the
+# client's, known before any response: a prefill can be stopped).
+LLM_CONTROL_INPUTS = (_t(ABORT_REQUEST_ID, "STRING"), _t(STOP, "BOOL"))
 LLM_INPUTS = LLM_REQUEST_INPUTS + LLM_CONTROL_INPUTS
 # a3b_llm -> postprocessing (one set per engine step). The optional ones are
 # sent only when they hold something (absent: empty, or NaN for

@@ -5,6 +5,7 @@ import json
 import os
 import queue
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -44,13 +45,14 @@ def text_request(prompt: str, stream: bool, sampling: dict | None = None, chat: 
     return inputs
 
 
-def stream_infer(url: str, model: str, inputs: dict, timeout_s: float = 120) -> tuple[list[dict], str | None]:
+def stream_infer(url: str, model: str, inputs: dict, timeout_s: float = 120,
+                 request_id: str = "") -> tuple[list[dict], str | None]:
     """One request over a gRPC stream; returns (responses as dicts of arrays, error text)."""
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     try:
-        client.async_stream_infer(model, [tensor(k, v) for k, v in inputs.items()],
+        client.async_stream_infer(model, [tensor(k, v) for k, v in inputs.items()], request_id=request_id,
                                   enable_empty_final_response=True)
         responses = []
         while True:
@@ -95,3 +97,17 @@ def ready_script(server) -> subprocess.CompletedProcess:
     env = dict(os.environ, A3B_HTTP_PORT=str(server.http_port), A3B_METRICS_PORT=str(server.metrics_port))
     script = Path(__file__).resolve().parent.parent / "scripts" / "ready.sh"
     return subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+
+
+def engine_idle(server, timeout_s: float = 60) -> dict:
+    """The engine's metrics once nothing runs or waits (or `timeout_s` passed)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        # One short request refreshes the engine's scheduler statistics.
+        stream_infer(server.grpc_url, "a3b_llm", {"input_ids": np.array([1, 2, 3], np.int32),
+                                                  "sampling_parameters": json.dumps({"max_tokens": 1})})
+        values = scrape(server.metrics_port)
+        if (metric(values, "a3b_num_requests_running") == 0 and metric(values, "a3b_num_requests_waiting") == 0
+                or time.monotonic() > deadline):
+            return values
+        time.sleep(1)

@@ -12,7 +12,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from a3b_backend.bench import loadgen
-from served import CAPITAL, GREEDY, metric, ready_script, scrape, stream_infer, tensor, text_request, texts
+from served import (CAPITAL, GREEDY, engine_idle, metric, ready_script, scrape, stream_infer, tensor,
+                    text_request, texts)
 
 pytestmark = pytest.mark.served
 F32, I32 = np.float32, np.int32
@@ -95,7 +96,7 @@ def test_bad_inputs_get_named_errors_while_streams_run(server):
     assert error is None
     pool, running = _background_streams(server, 2)
     failures = []
-    for model, cases in (("ensemble", ENSEMBLE_CASES), ("a3b_llm", LLM_CASES)):
+    for model, cases in (("ensemble", ENSEMBLE_CASES), ("a3b_bls", ENSEMBLE_CASES), ("a3b_llm", LLM_CASES)):
         for inputs, fragment in cases:
             responses, err = stream_infer(server.grpc_url, model, inputs)
             if err is None or fragment not in err:
@@ -128,19 +129,6 @@ def _cancel_after_first(url: str, inputs: dict, model: str = "a3b_llm") -> None:
     client.close()
 
 
-def _engine_idle(server, timeout_s: float = 60) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        # One short request refreshes the engine's scheduler statistics.
-        stream_infer(server.grpc_url, "a3b_llm", {"input_ids": np.array([1, 2, 3], I32),
-                                                  "sampling_parameters": j(max_tokens=1)})
-        values = scrape(server.metrics_port)
-        if (metric(values, "a3b_num_requests_running") == 0 and metric(values, "a3b_num_requests_waiting") == 0
-                or time.monotonic() > deadline):
-            return values
-        time.sleep(1)
-
-
 CANCELLED_STREAMS = 200
 RSS_GROWTH_BOUND = 200 * 2**20
 
@@ -152,7 +140,7 @@ def test_cancelled_streams_are_aborted_in_the_engine(server):
     before = metric(scrape(server.metrics_port), "a3b_generation_tokens_total")
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda _: _cancel_after_first(server.grpc_url, inputs), range(CANCELLED_STREAMS)))
-    values = _engine_idle(server)
+    values = engine_idle(server)
     assert metric(values, "a3b_num_requests_running") == 0
     assert metric(values, "a3b_num_requests_waiting") == 0
     # Had they run to max_tokens, 200 x 2000 tokens would have been generated.
@@ -168,7 +156,7 @@ def test_cancelled_ensemble_streams_abort_the_engine(server):
     before = metric(scrape(server.metrics_port), "a3b_generation_tokens_total")
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda _: _cancel_after_first(server.grpc_url, inputs, "ensemble"), range(20)))
-    values = _engine_idle(server)
+    values = engine_idle(server)
     assert metric(values, "a3b_num_requests_running") == 0
     assert metric(values, "a3b_generation_tokens_total") - before < 20 * 2000 / 10
 
@@ -194,7 +182,7 @@ def test_a_stream_cancelled_during_its_prefill_is_aborted_then(server):
     assert error is None
     # behind a prefill left running it would have waited ~25 s more
     assert time.monotonic() - cancelled < 10
-    assert metric(_engine_idle(server), "a3b_num_requests_running") == 0
+    assert metric(engine_idle(server), "a3b_num_requests_running") == 0
 
 
 def test_dropped_http_stream_stops_the_generation(server):
@@ -210,7 +198,7 @@ def test_dropped_http_stream_stops_the_generation(server):
     response.readline()  # the first event arrived: generation is under way
     response.close()  # the client goes away without a word
     conn.close()
-    values = _engine_idle(server)
+    values = engine_idle(server)
     assert metric(values, "a3b_num_requests_running") == 0
     assert metric(values, "a3b_generation_tokens_total") - before < 2000 / 4
 

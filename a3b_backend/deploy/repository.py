@@ -90,11 +90,14 @@ def render() -> dict[str, str]:
         "postprocessing": _python_model("postprocessing", contract.POSTPROCESS_INPUTS, contract.TEXT_OUTPUTS,
                                         decoupled=False, instance_kind="KIND_CPU", count=1),
         contract.ENSEMBLE_MODEL: _ensemble(),
+        # One instance: each request is served on a thread of its own (a3b_backend/serving/bls.py).
+        contract.BLS_MODEL: _python_model(contract.BLS_MODEL, contract.TEXT_INPUTS, contract.TEXT_OUTPUTS,
+                                          decoupled=True, instance_kind="KIND_CPU", count=1),
     }
 
 
-# Where LoRA names are listed: the model that serves them and the one clients address.
-LORA_MODELS = (contract.LLM_MODEL, contract.ENSEMBLE_MODEL)
+# Where LoRA names are listed: the model that serves them and the ones clients address.
+LORA_MODELS = (contract.LLM_MODEL, contract.ENSEMBLE_MODEL, contract.BLS_MODEL)
 
 
 def lora_entry(text: str) -> tuple[str, Path]:

@@ -15,7 +15,7 @@ from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 from a3b_backend import contract  # noqa: E402
 from a3b_backend.engine.host import EngineHost  # noqa: E402
 from a3b_backend.profiles import get_profile  # noqa: E402
-from a3b_backend.serving import drain, lora, pacing  # noqa: E402
+from a3b_backend.serving import drain, lora, pacing, stops  # noqa: E402
 from a3b_backend.serving.adapters import Adapters  # noqa: E402
 from a3b_backend.serving.llm import StepTracker, parse_llm_request, request_arrays, step_arrays  # noqa: E402
 from a3b_backend.serving.metrics import TritonMetrics  # noqa: E402
@@ -49,6 +49,7 @@ class TritonPythonModel:
         # for the reasoning / tool-call parsers, which run here (a3b_backend/serving/parsing.py)
         self.tokenizer = triton.load_tokenizer(args) if profile.parses_output else None
         self.cancel_polls = triton.PollSchedule()
+        self.stops = stops.StopRegistry()
 
     def execute(self, requests):
         for request in requests:
@@ -57,6 +58,11 @@ class TritonPythonModel:
                 tensors = triton.read_inputs(request, INPUT_NAMES)
                 if contract.ABORT_REQUEST_ID in tensors:
                     self.host.submit_abort(string_value(tensors, contract.ABORT_REQUEST_ID))
+                    sender.send(flags=FINAL)
+                    continue
+                if stops.asks_stop(tensors):
+                    for engine_id in self.stops.engine_ids(stops.stop_target(request.request_id())):
+                        self.host.submit_abort(engine_id)
                     sender.send(flags=FINAL)
                     continue
                 refusal = drain.refusal(lambda: self.host.refusal(self.max_in_flight))
@@ -70,13 +76,15 @@ class TritonPythonModel:
                 sender.send(triton.error_response(pb_utils, str(exc)), flags=FINAL)
                 continue
             request_id = uuid.uuid4().hex
+            self.stops.add(request.request_id(), request_id)
             self.host.submit(
-                request_id, self._serve(request_id, sender, tracker, lora_request,
+                request_id, self._serve(request_id, request.request_id(), sender, tracker, lora_request,
                                         string_value(tensors, contract.POSTPROCESS_CONFIG))
             )
         return None
 
-    async def _serve(self, request_id: str, sender, tracker: StepTracker, lora_request, postprocess_config: str):
+    async def _serve(self, request_id: str, client_id: str, sender, tracker: StepTracker, lora_request,
+                     postprocess_config: str):
         llm_request = tracker.request
         per_request = request_arrays(postprocess_config, request_id)
         sent_final = False
@@ -111,6 +119,7 @@ class TritonPythonModel:
             sent_final = True
         finally:
             watch.cancel()
+            self.stops.discard(client_id, request_id)
             if not sent_final:
                 sender.send(flags=FINAL)
 
