@@ -12,9 +12,9 @@ ensemble (tokenizer + chat template -> engine -> detokenizer), prompts of real t
 2. The RAG mix: one 86K-token document behind different questions, one at a
    time, then RAG_CONCURRENCY at once: TTFT and the prompt tokens the prefix
    cache saved for each (the rise of a3b_prompt_tokens_cached_total).
-3. A 130K prefill cancelled by its client part-way: how long a short request
-   sent right after waits beyond its idle TTFT, against one prefill chunk's
-   time at that context.
+3. A 130K prefill cancelled by its client part-way, through `ensemble` and
+   through `a3b_bls`: how long a short request sent right after waits beyond
+   its idle TTFT, against one prefill chunk's time at that context.
 Every request must come back whole, with num_input_tokens equal to the
 prompt's tokens as the chat template renders them.
 """
@@ -31,6 +31,7 @@ import threading
 import time
 from pathlib import Path
 
+from a3b_backend import contract
 from a3b_backend.bench import loadgen, perf_inputs, perf_report, server_process
 from a3b_backend.profiles import PROJECT_ROOT, get_profile
 
@@ -136,7 +137,8 @@ def values(prompt: str) -> dict:
             "sampling_parameters": json.dumps({"temperature": 0, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True})}
 
 
-def grpc_stream(url: str, prompt: str, cancel_after_s: float | None = None) -> tuple[list[int], int, str | None]:
+def grpc_stream(url: str, prompt: str, cancel_after_s: float | None = None,
+                model: str = contract.ENSEMBLE_MODEL) -> tuple[list[int], int, str | None]:
     """Arrival times (ns, from the send) of the responses carrying text, num_input_tokens, error."""
     import tritonclient.grpc as grpcclient
 
@@ -144,7 +146,7 @@ def grpc_stream(url: str, prompt: str, cancel_after_s: float | None = None) -> t
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: results.put((time.perf_counter_ns(), result, error)))
     start = time.perf_counter_ns()
-    client.async_stream_infer("ensemble", loadgen.infer_inputs(values(prompt)), enable_empty_final_response=True)
+    client.async_stream_infer(model, loadgen.infer_inputs(values(prompt)), enable_empty_final_response=True)
     stamps, input_tokens, error = [], 0, None
     try:
         while True:
@@ -260,16 +262,18 @@ def rag_run(bench: Bench, document_tokens: int) -> list[Measured]:
     return out
 
 
-def cancel_run(bench: Bench, length: int, full_prefill_s: float) -> dict:
-    short = lambda p: grpc_stream(bench.server.grpc_url, p)  # noqa: E731
+def cancel_run(bench: Bench, length: int, full_prefill_s: float, model: str) -> dict:
+    """A `length`-token prefill sent to `model` and cancelled part-way; then a short request to it."""
+    short = lambda p: grpc_stream(bench.server.grpc_url, p, model=model)  # noqa: E731
     idle = bench.measure("short prompt on the idle engine", bench.document(SHORT_AFTER_CANCEL), short)
     cancel_after = CANCEL_AT * full_prefill_s
-    stamps, _, error = grpc_stream(bench.server.grpc_url, bench.document(length), cancel_after_s=cancel_after)
+    stamps, _, error = grpc_stream(bench.server.grpc_url, bench.document(length), cancel_after_s=cancel_after,
+                                   model=model)
     cancelled_at = time.perf_counter()
     follow = bench.measure("short prompt right after the cancel", bench.document(SHORT_AFTER_CANCEL), short)
     freed_s = time.perf_counter() - cancelled_at
-    return {"length": length, "cancelled_after_s": round(cancel_after, 2), "responses_before_cancel": len(stamps),
-            "cancel_error": error, "next_ttft_s": follow.ttft_s, "idle_ttft_s": idle.ttft_s,
+    return {"entry_point": model, "length": length, "cancelled_after_s": round(cancel_after, 2),
+            "responses_before_cancel": len(stamps), "cancel_error": error, "next_ttft_s": follow.ttft_s, "idle_ttft_s": idle.ttft_s,
             "wait_s": follow.ttft_s - idle.ttft_s, "engine_idle_after_s": round(freed_s, 2),
             "next_request_ok": follow.error is None and follow.num_input_tokens == follow.prompt_tokens}
 
@@ -291,7 +295,7 @@ def isa() -> str:
                      if f in flags) or "no AVX-512 / AMX"
 
 
-def report(rows: list[Measured], rag: list[Measured], cancel: dict, out: Path) -> None:
+def report(rows: list[Measured], rag: list[Measured], cancels: list[dict], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -301,7 +305,7 @@ def report(rows: list[Measured], rag: list[Measured], cancel: dict, out: Path) -
     (out / "results.json").write_text(json.dumps({
         "profile": PROFILE.name, "machine": perf_report.machine(), "isa": isa(),
         "lengths": [dataclasses.asdict(m) for m in rows], "rag": [dataclasses.asdict(m) for m in rag],
-        "cancel": cancel}, indent=1))
+        "cancel": cancels}, indent=1))
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for transport, marker in (("gRPC", "o"), ("HTTP", "s")):
         pts = [(m.prompt_tokens, m.ttft_s, m.itl_ms) for m in rows if m.label.startswith(transport)]
@@ -344,15 +348,18 @@ def report(rows: list[Measured], rag: list[Measured], cancel: dict, out: Path) -
         lines.append(f"| {m.label} | {m.prompt_tokens} | {m.ttft_s:.2f} | {m.ttft_s / first:.3f} | "
                      f"{m.cached_tokens}{' (mean of the three)' if 'concurrency' in m.label else ''} |"
                      + (f" error: {m.error}" if m.error else ""))
-    context = CANCEL_AT * cancel["length"]
+    context = CANCEL_AT * cancels[0]["length"]
     chunk = chunk_time_s(rows, context)
-    lines += ["", f"## A {cancel['length']}-token prefill cancelled by its client", "",
-              f"Cancelled {cancel['cancelled_after_s']} s in ({CANCEL_AT:.0%} of its measured TTFT). "
-              f"A {SHORT_AFTER_CANCEL}-token "
-              f"request sent right after: TTFT {cancel['next_ttft_s']:.2f} s against {cancel['idle_ttft_s']:.2f} s "
-              f"on an idle engine, so it waited {cancel['wait_s']:.2f} s; one {PROFILE.max_num_batched_tokens}-token "
-              f"chunk at ~{context:.0f} tokens of context takes ~{chunk:.2f} s (the marginal "
-              f"prefill time between the measured lengths). Next request whole: {cancel['next_request_ok']}."]
+    lines += ["", f"## A {cancels[0]['length']}-token prefill cancelled by its client", "",
+              f"Cancelled {CANCEL_AT:.0%} of its measured TTFT in; a {SHORT_AFTER_CANCEL}-token request sent right "
+              f"after to the same entry point waits beyond its TTFT on the idle engine. One "
+              f"{PROFILE.max_num_batched_tokens}-token chunk at ~{context:.0f} tokens of context takes ~{chunk:.2f} s "
+              f"(the marginal prefill time between the measured lengths).", "",
+              "| entry point | cancelled after s | next request's TTFT s | idle TTFT s | waited s | next request whole |",
+              "|---|---|---|---|---|---|"]
+    for c in cancels:
+        lines.append(f"| {c['entry_point']} | {c['cancelled_after_s']} | {c['next_ttft_s']:.2f} | "
+                     f"{c['idle_ttft_s']:.2f} | {c['wait_s']:.2f} | {c['next_request_ok']} |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
@@ -377,10 +384,11 @@ def main(argv: list[str] | None = None) -> None:
         print("cancel:", flush=True)
         longest = max(args.lengths)
         full = next(m.ttft_s for m in rows if m.label == f"gRPC {longest}")
-        cancel = cancel_run(bench, longest, full)
+        cancels = [cancel_run(bench, longest, full, model)
+                   for model in (contract.ENSEMBLE_MODEL, contract.BLS_MODEL)]
     finally:
         server.stop()
-    report(rows, rag, cancel, args.out)
+    report(rows, rag, cancels, args.out)
     bad = [m.label for m in rows + rag if m.error or m.num_input_tokens != m.prompt_tokens]
     print(f"wrote {args.out}/report.md in {(time.monotonic() - started) / 60:.1f} min"
           + (f"; incomplete or miscounted: {', '.join(bad)}" if bad else ""))

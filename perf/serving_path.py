@@ -5,6 +5,8 @@ for perf/token_source (an engine stand-in that costs next to nothing: one step
 every 12.5 ms, one real token per running stream per step).
 
 perf_analyzer (C++, so the client costs little CPU) streams from `ensemble`
+(or from each of `--models` in turn, e.g. `ensemble a3b_bls ensemble`: the two
+entry points side by side, and the first against itself for the A/A floor)
 at each concurrency of the sweep. Reported per level: streamed tokens/s and
 responses/s delivered to the client, each token's lateness (arrival at the
 client minus the step's scheduled time, carried in `cumulative_logprob`),
@@ -17,6 +19,7 @@ import argparse
 import json
 import resource
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -38,11 +41,12 @@ SOURCE_TEXT = Path("/usr/share/common-licenses/GPL-3")
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PROMPT = "Summarize the GNU General Public License in one paragraph."
 # the processes whose CPU is reported, by what their command line holds
-ROLES = ("tritonserver", "preprocessing", contract.LLM_MODEL, "postprocessing")
+ROLES = ("tritonserver", "preprocessing", contract.LLM_MODEL, "postprocessing", contract.BLS_MODEL)
 
 
 @dataclass
 class Level:
+    model: str  # the entry point perf_analyzer streamed from ("#2": its second run in the sweep)
     concurrency: int
     requests: int
     errors: int
@@ -104,22 +108,23 @@ def client_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_level(server, concurrency: int, tokens: int, interval_ms: float, epoch_ns: int, work: Path,
+def run_level(server, label: str, concurrency: int, tokens: int, interval_ms: float, epoch_ns: int, work: Path,
               source_text: str) -> Level:
-    args = ["-m", "ensemble", "-u", server.grpc_url, "-i", "grpc", "--streaming", "--async",
+    args = ["-m", label.split(" ")[0], "-u", server.grpc_url, "-i", "grpc", "--streaming", "--async",
             "--input-data", str(input_file(work / "input.json", tokens)), "--concurrency-range", str(concurrency),
             "--measurement-mode", "count_windows", "--measurement-request-count", str(max(8, 2 * concurrency)),
             "--stability-percentage", "999", "--max-trials", "3"]
     before, client_before, started = role_cpu(server), client_cpu(), time.monotonic()
     try:
-        measured = perf_analyzer.run(args, work / f"c{concurrency}.json", work / f"c{concurrency}.log")
+        name = f"{label.replace(' #', '-')}-c{concurrency}"
+        measured = perf_analyzer.run(args, work / f"{name}.json", work / f"{name}.log")
     except RuntimeError as err:
-        raise SystemExit(f"concurrency {concurrency}: {err}") from None
+        raise SystemExit(f"{label}, concurrency {concurrency}: {err}") from None
     wall = time.monotonic() - started
     after, client_after = role_cpu(server), client_cpu()
     cores = {role: (after[role] - before[role]) / wall for role in ROLES}
     cores["client (perf_analyzer)"] = (client_after - client_before) / wall
-    return summarize(measured, concurrency, tokens, interval_ms, epoch_ns, cores, source_text)
+    return summarize(measured, label, concurrency, tokens, interval_ms, epoch_ns, cores, source_text)
 
 
 def output_value(out: dict, name: str) -> float:
@@ -128,7 +133,7 @@ def output_value(out: dict, name: str) -> float:
     return float(value[0] if isinstance(value, list) else value)
 
 
-def summarize(export: dict, concurrency: int, tokens: int, interval_ms: float, epoch_ns: int,
+def summarize(export: dict, label: str, concurrency: int, tokens: int, interval_ms: float, epoch_ns: int,
               cores: dict[str, float], source_text: str) -> Level:
     [experiment] = export["experiments"]
     lateness, token_count, responses, errors, mangled = [], 0, 0, 0, 0
@@ -150,7 +155,7 @@ def summarize(export: dict, concurrency: int, tokens: int, interval_ms: float, e
             due_ns = epoch_ns + output_value(out, "cumulative_logprob") * 1e9
             lateness.append((int(stamp) - due_ns) / 1e6)
     span_s = (max(ends) - min(starts)) / 1e9
-    return Level(concurrency=concurrency, requests=len(starts), errors=errors, mangled=mangled,
+    return Level(model=label, concurrency=concurrency, requests=len(starts), errors=errors, mangled=mangled,
                  tokens_per_s=token_count / span_s, responses_per_s=responses / span_s,
                  offered_tokens_per_s=concurrency * 1000 / interval_ms,
                  lateness_ms={p: float(np.percentile(lateness, p)) for p in (50, 99)}, cores=cores)
@@ -158,16 +163,33 @@ def summarize(export: dict, concurrency: int, tokens: int, interval_ms: float, e
 
 def markdown(levels: list[Level]) -> str:
     roles = list(levels[0].cores)
-    header = ["streams", "offered tok/s", "delivered tok/s", "responses/s", "lateness ms p50 / p99", "errors",
+    header = ["entry point", "streams", "offered tok/s", "delivered tok/s", "responses/s", "lateness ms p50 / p99", "errors",
               "texts not intact",
               *(f"cores: {r}" for r in roles)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for lv in levels:
         lines.append("| " + " | ".join([
-            str(lv.concurrency), f"{lv.offered_tokens_per_s:.0f}", f"{lv.tokens_per_s:.0f}",
+            lv.model, str(lv.concurrency), f"{lv.offered_tokens_per_s:.0f}", f"{lv.tokens_per_s:.0f}",
             f"{lv.responses_per_s:.0f}",
             f"{lv.lateness_ms[50]:.1f} / {lv.lateness_ms[99]:.1f}", str(lv.errors), str(lv.mangled),
             *(f"{lv.cores[r]:.2f}" for r in roles)]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def ratios(levels: list[Level]) -> str:
+    """Each later entry point's responses/s, tokens/s and p50 lateness against the first's, level by level
+    (the first's own second run is the A/A floor)."""
+    labels = list(dict.fromkeys(lv.model for lv in levels))
+    first = {lv.concurrency: lv for lv in levels if lv.model == labels[0]}
+    lines = [f"| entry point | streams | responses/s vs {labels[0]} | tokens/s vs {labels[0]} | "
+             f"p50 lateness ms, {labels[0]} / it |", "|---|---|---|---|---|"]
+    for lv in levels:
+        if lv.model == labels[0]:
+            continue
+        base = first[lv.concurrency]
+        lines.append(f"| {lv.model} | {lv.concurrency} | {lv.responses_per_s / base.responses_per_s:.2f}x | "
+                     f"{lv.tokens_per_s / base.tokens_per_s:.2f}x | {base.lateness_ms[50]:.1f} / "
+                     f"{lv.lateness_ms[50]:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -177,16 +199,22 @@ def plot(levels: list[Level], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    x = [lv.concurrency for lv in levels]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    axes[0].plot(x, [lv.offered_tokens_per_s for lv in levels], "k--", label="offered")
-    axes[0].plot(x, [lv.tokens_per_s for lv in levels], "o-", label="tokens/s delivered")
-    axes[0].plot(x, [lv.responses_per_s for lv in levels], "x-", label="responses/s delivered")
-    axes[1].plot(x, [lv.lateness_ms[50] for lv in levels], "o-", label="p50")
-    axes[1].plot(x, [lv.lateness_ms[99] for lv in levels], "x--", label="p99")
+    labels = list(dict.fromkeys(lv.model for lv in levels))
+    for label in labels:
+        mine = [lv for lv in levels if lv.model == label]
+        x = [lv.concurrency for lv in mine]
+        tag = f" ({label})" if len(labels) > 1 else ""
+        if label == labels[0]:
+            axes[0].plot(x, [lv.offered_tokens_per_s for lv in mine], "k--", label="offered")
+        axes[0].plot(x, [lv.tokens_per_s for lv in mine], "o-", label=f"tokens/s delivered{tag}")
+        axes[0].plot(x, [lv.responses_per_s for lv in mine], "x-", label=f"responses/s delivered{tag}")
+        axes[1].plot(x, [lv.lateness_ms[50] for lv in mine], "o-", label=f"p50{tag}")
+        axes[1].plot(x, [lv.lateness_ms[99] for lv in mine], "x--", label=f"p99{tag}")
+        for role in mine[0].cores:
+            if any(lv.cores[role] > 0 for lv in mine):
+                axes[2].plot(x, [lv.cores[role] for lv in mine], "o-", label=f"{role}{tag}")
     axes[1].set_yscale("log")
-    for role in levels[0].cores:
-        axes[2].plot(x, [lv.cores[role] for lv in levels], "o-", label=role)
     for ax, name in zip(axes, ("throughput", "token lateness (ms)", "CPU (cores)")):
         ax.set_title(name)
         ax.set_xlabel("concurrent streams")
@@ -204,6 +232,9 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=CONCURRENCIES)
+    parser.add_argument("--models", nargs="+", choices=(contract.ENSEMBLE_MODEL, contract.BLS_MODEL),
+                        default=[contract.ENSEMBLE_MODEL],
+                        help="the entry points to stream from, in turn at each level (one named twice: an A/A run)")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per stream")
     parser.add_argument("--interval-ms", type=float, default=12.5, help="the token source's step")
     parser.add_argument("--sending", choices=get_args(Sending), default="paced",
@@ -227,8 +258,11 @@ def main(argv: list[str] | None = None) -> None:
         server = server_process.start(work / "tritonserver.log", env)
         levels = []
         try:
-            for concurrency in tqdm(args.concurrency, desc="serving path", unit="level"):
-                levels.append(run_level(server, concurrency, args.tokens, args.interval_ms, epoch_ns, work,
+            labels = [model if args.models[:i].count(model) == 0 else f"{model} #{args.models[:i].count(model) + 1}"
+                      for i, model in enumerate(args.models)]
+            runs = [(concurrency, label) for concurrency in args.concurrency for label in labels]
+            for concurrency, label in tqdm(runs, desc="serving path", unit="run"):
+                levels.append(run_level(server, label, concurrency, args.tokens, args.interval_ms, epoch_ns, work,
                                         source_text))
                 tqdm.write(markdown(levels[-1:]).splitlines()[-1])
         finally:
@@ -238,17 +272,21 @@ def main(argv: list[str] | None = None) -> None:
     plot(levels, args.out / "serving_path.png", title)
     (args.out / "serving_path.json").write_text(json.dumps(
         {"machine": perf_report.machine(), "tokens_per_stream": args.tokens, "interval_ms": args.interval_ms,
-         "sending": args.sending, "pacing_responses_per_s": get_profile().stream_responses_per_s,
+         "sending": args.sending, "models": args.models,
+         "pacing_responses_per_s": get_profile().stream_responses_per_s,
          "levels": [asdict(lv) for lv in levels]}, indent=1))
     report = args.out / "serving_path.md"
     report.write_text(
-        f"# {title}\n\nMachine: {perf_report.machine()}; client and server share it. Command: `make "
-        f"bench-serving-path` (perf/serving_path.py): tritonserver with our preprocessing, postprocessing and "
-        f"`ensemble`, a3b_llm replaced by perf/token_source ({args.interval_ms} ms steps, one token per stream "
-        f"per step, {args.tokens} tokens per stream; {sending}); perf_analyzer streams over gRPC. "
+        f"# {title}\n\nMachine: {perf_report.machine()}; client and server share it. Command: "
+        f"`perf/serving_path.py {' '.join(sys.argv[1:] if argv is None else argv)}` (make bench-serving-path, "
+        f"bench-entry-points): tritonserver with our preprocessing, postprocessing, `ensemble` and `a3b_bls`, "
+        f"a3b_llm replaced by perf/token_source ({args.interval_ms} ms steps, one token per stream per step, {args.tokens} tokens per stream; {sending}); perf_analyzer streams over gRPC. "
         f"Lateness: arrival at the "
         f"client minus the token's scheduled step. Cores: CPU seconds per second of each level's run.\n\n"
-        f"{markdown(levels)}\n![plots](serving_path.png)\n")
+        f"{markdown(levels)}\n"
+        + (f"Entry points against `{args.models[0]}` (streamed in turn at each level):\n\n{ratios(levels)}\n"
+           if len(args.models) > 1 else "")
+        + "![plots](serving_path.png)\n")
     print(markdown(levels))
     print(f"wrote {report}")
 

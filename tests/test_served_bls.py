@@ -30,6 +30,12 @@ SAME_ANSWER = {
     "chat messages": {"messages": json.dumps(CHAT), "sampling_parameters": json.dumps(GREEDY),
                       "exclude_input_in_output": True},
     "structured output": text_request(CAPITAL, False, {**GREEDY, "structured_outputs": {"regex": "[A-Z][a-z]{2,9}"}}),
+    # the shape Triton's OpenAI frontend sends (tests/test_served_chat.py, frontend_request)
+    "OpenAI frontend shape": {"text_input": CAPITAL, "stream": True, "exclude_input_in_output": True,
+                              "return_num_input_tokens": True, "return_num_output_tokens": True,
+                              "sampling_parameters": json.dumps({"frequency_penalty": 0.0, "logprobs": False, "n": 1,
+                                                                 "presence_penalty": 0.0, "top_p": 1.0,
+                                                                 "temperature": 0.0, "max_tokens": 24})},
 }
 
 

@@ -185,14 +185,15 @@ def test_a_stream_cancelled_during_its_prefill_is_aborted_then(server):
     assert metric(engine_idle(server), "a3b_num_requests_running") == 0
 
 
-def test_dropped_http_stream_stops_the_generation(server):
+@pytest.mark.parametrize("model", ["ensemble", "a3b_bls"])
+def test_dropped_http_stream_stops_the_generation(server, model):
     import http.client
 
     body = json.dumps({"text_input": "Tell me a long story.", "stream": True,
                        "sampling_parameters": j(max_tokens=2000, ignore_eos=True)})
     before = metric(scrape(server.metrics_port), "a3b_generation_tokens_total")
     conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
-    conn.request("POST", "/v2/models/ensemble/generate_stream", body, {"Content-Type": "application/json"})
+    conn.request("POST", f"/v2/models/{model}/generate_stream", body, {"Content-Type": "application/json"})
     response = conn.getresponse()
     assert response.status == 200
     response.readline()  # the first event arrived: generation is under way

@@ -102,14 +102,12 @@ class BlsPipeline:
     def _relay(self, generation: Any, sender: Any, final: int) -> None:
         """a3b_llm's steps as text responses. Each is held until the next arrives, so the last goes out
         with the final flag (a non-streamed request is then exactly one response, as HTTP generate needs)."""
-        held = None
+        held, last = None, None
         try:
             for step in generation.exec(decoupled=True):
                 if step.has_error():
-                    if held is not None:
-                        sender.send(held)
-                    sender.send(self._pb.InferenceResponse(error=step.error()), flags=final)
-                    return
+                    last = self._pb.InferenceResponse(error=step.error())
+                    break
                 tensors = {t.name(): t.as_numpy() for t in step.output_tensors()}
                 if not tensors:  # the flag-only end of a stream
                     continue
@@ -117,8 +115,11 @@ class BlsPipeline:
                     sender.send(held)
                 held = triton.response(self._pb, step_outputs(tensors, self._tokenizer))
         except Exception as exc:  # a bug answers this request, not the others
-            held = triton.error_response(self._pb, f"postprocessing failed: {exc!r}", invalid_argument=False)
-        if held is None:
+            last = triton.error_response(self._pb, f"postprocessing failed: {exc!r}", invalid_argument=False)
+        if last is not None and held is not None:
+            sender.send(held)
+        last = last or held
+        if last is None:
             sender.send(flags=final)
         else:
-            sender.send(held, flags=final)
+            sender.send(last, flags=final)
