@@ -10,16 +10,19 @@ ifeq ($(origin PROFILE),command line)
 $(error PROFILE=$(PROFILE) is not read: name the profile with A3B_PROFILE=$(PROFILE), as make serve does)
 endif
 
-.PHONY: setup model model-qwen serve test test-distributed test-slow test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust locust-rag bench-overload bench-serving-path bench-serving-cpu bench-overhead bench-overhead-goal overhead-runs bench-prefix-cache bench-long-context bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu gpu-check gpu-check-dry-run profile-gpu kv-report quality quant-tools compare-quant compare-quant-a3b bench-convert-scale bench-qwen-fidelity bench-calibration-budget bench-block-tune clean
+.PHONY: setup model model-qwen serve test test-distributed test-slow test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust locust-rag bench-overload bench-serving-path bench-entry-points bench-serving-cpu bench-overhead bench-overhead-goal overhead-runs bench-prefix-cache bench-long-context bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu gpu-check gpu-check-dry-run profile-gpu kv-report quality quant-tools compare-quant compare-quant-a3b bench-convert-scale bench-qwen-fidelity bench-calibration-budget bench-block-tune answer-margins clean
 
 setup:
 	bash scripts/setup.sh
 
 # The bf16 checkpoint, then the served default: it in A3B with a3b-quantize's
-# defaults (1x128 blocks, the built-in varied calibration text on 65,536 tokens,
-# error-compensating rounding, one tuning pass; docs/quantization.md gives its time
-# and what a smaller CALIBRATION_TOKENS costs).
-CALIBRATION_TOKENS ?= 65536
+# defaults (1x128 blocks, the built-in varied calibration text, error-compensating
+# rounding, one tuning pass) but on 8,192 calibration tokens, not the converter's
+# 65,536: the 65,536-token checkpoint of today's text answers the served tests'
+# and the README's "What is the capital of France?" in broken French, this one
+# "Paris" on every prompt tried (make answer-margins; docs/quantization.md gives
+# both checkpoints' perplexity and conversion time).
+CALIBRATION_TOKENS ?= 8192
 model: setup
 	$(PY) -m a3b_backend.prepare.smollm2 --out $(MODEL_DIR)
 	test -d $(MODEL_DIR)-a3b || $(PY) -m a3b_backend.quant.convert $(MODEL_DIR) $(MODEL_DIR)-a3b \
@@ -137,6 +140,12 @@ bench-serving-path: setup model perf-tools
 	$(PY) perf/serving_path.py --sending coalesced --out perf/results/serving_path/unpaced
 	$(PY) perf/serving_path.py --sending per-token --out perf/results/serving_path/per_token
 
+# The two entry points on the same engine-free path, in turn at each level: ensemble, a3b_bls, and
+# ensemble again (the A/A floor); perf/results/serving_path/entry_points/, ~10 min
+bench-entry-points: setup model perf-tools
+	$(PY) perf/serving_path.py --models ensemble a3b_bls ensemble --concurrency 1 4 16 64 \
+	  --out perf/results/serving_path/entry_points
+
 # bare AsyncLLM vs a3b_llm vs ensemble, same prompts, interleaved (starts its own server)
 bench-overhead: setup model
 	$(PY) perf/overhead.py
@@ -231,6 +240,11 @@ kv-report: setup model
 # A3B vs bf16 / RTN baselines: perplexity, bits per weight, table + plot under perf/quality
 quality: setup model
 	$(PY) -m a3b_backend.quant.quality
+
+# The default model's greedy answers to the served tests' chat prompt and its neighbours, bf16 and
+# A3B, with the margin each answer holds (perf/results/answer_margins/; transformers, ~2 min)
+answer-margins: setup model
+	$(PY) perf/answer_margins.py
 
 clean:
 	rm -rf $(VENV) models

@@ -377,6 +377,31 @@ def test_broad_calibration_text_mixes_licences_and_package_readmes(tmp_path, mon
     assert readme[:200] in text
 
 
+def test_chat_calibration_text_renders_each_document_as_one_exchange(tmp_path, monkeypatch, tokenizer):
+    from a3b_backend.quant import calibrate
+
+    monkeypatch.setattr(calibrate, "broad_calibration_documents",
+                        lambda: ["Title line\nThe body of it.\n\nMore body.", "one line only " * 30])
+    text = calibrate.chat_calibration_text(tokenizer)
+    first = tokenizer.apply_chat_template([{"role": "user", "content": "Title line"},
+                                           {"role": "assistant", "content": "The body of it.\n\nMore body."}],
+                                          tokenize=False)
+    assert text.startswith(first)  # the first line asked, the rest answered, in the model's template
+    assert text.count("<|im_start|>assistant\n") == 2
+    ids = tokenizer.encode(text)
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") in ids  # the template's special tokens, as served
+
+
+def test_chat_calibration_is_refused_with_a_text_of_ones_own(tmp_path, capsys):
+    from a3b_backend.quant.convert import main
+
+    src = tiny(tmp_path, "llama")
+    (tmp_path / "text.txt").write_text("some text " * 100)
+    assert main([str(src), str(tmp_path / "out"), "--calibration-chat", "--calibration-text",
+                 str(tmp_path / "text.txt")]) == 2
+    assert "--calibration-chat renders the built-in text; it cannot take --calibration-text" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("block, runs", [((1, 128), True), ((1, 256), True), ((1, 64), False), ((4, 128), False),
                                          ((1, 192), False)])
 def test_block_shapes_the_gpu_kernels_cannot_run_are_named(block, runs):

@@ -264,8 +264,8 @@ def load_text(path: Path) -> str:
 DOCUMENT_CHARS = 2500  # about 600 tokens: most 512-token windows start in a document the last did not see
 
 
-def broad_calibration_text() -> str:
-    """Calibration text of more than one register: the licence texts Debian and
+def broad_calibration_documents() -> list[str]:
+    """Calibration documents of more than one register: the licence texts Debian and
     Ubuntu ship and the long descriptions (README files) of the installed Python
     packages (technical English, markdown, reStructuredText, code examples),
     each cut to DOCUMENT_CHARS, in one fixed shuffled order (every tool and run reads the same text)."""
@@ -276,4 +276,29 @@ def broad_calibration_text() -> str:
                for d in importlib.metadata.distributions()}
     documents += [readmes[name] for name in sorted(readmes) if len(readmes[name]) >= DOCUMENT_CHARS // 2]
     random.Random(0).shuffle(documents)
-    return "\n\n".join(document[:DOCUMENT_CHARS] for document in documents)
+    return [document[:DOCUMENT_CHARS] for document in documents]
+
+
+def broad_calibration_text() -> str:
+    """The built-in calibration documents as one text."""
+    return "\n\n".join(broad_calibration_documents())
+
+
+QUESTION_CHARS = 200
+
+
+def chat_calibration_text(tokenizer) -> str:
+    """The built-in calibration documents, each as one exchange in the model's chat template: the
+    user sends its first line (at most QUESTION_CHARS characters), the assistant answers with the
+    rest. Calibration then also covers the positions a chat model serves from, its answer after the
+    template's assistant turn, which the plain text never shows it."""
+    exchanges = []
+    for document in broad_calibration_documents():
+        document = document.strip()
+        first, _, rest = document.partition("\n")
+        if not rest.strip():  # one line: cut it
+            first, rest = document[:QUESTION_CHARS], document[QUESTION_CHARS:]
+        exchanges.append(tokenizer.apply_chat_template(
+            [{"role": "user", "content": first.strip()[:QUESTION_CHARS]}, {"role": "assistant", "content": rest.strip()}],
+            tokenize=False))
+    return "".join(exchanges)

@@ -370,9 +370,11 @@ BUILT_IN_TEXT = "calibrate.broad_calibration_text()"
 
 
 @contextlib.contextmanager
-def calibration_file(path: Path | None, uncalibrated: bool) -> Iterator[Path | None]:
+def calibration_file(path: Path | None, uncalibrated: bool, chat_tokenizer: Path | None = None
+                     ) -> Iterator[Path | None]:
     """The calibration text as a file: `path`, or the built-in varied text (the licence texts and the
-    installed packages' READMEs) written to a temporary one; None when asked for no calibration."""
+    installed packages' READMEs) written to a temporary one, with `chat_tokenizer` (a model directory)
+    each document as a chat exchange in that model's template; None when asked for no calibration."""
     if uncalibrated:
         yield None
         return
@@ -381,8 +383,20 @@ def calibration_file(path: Path | None, uncalibrated: bool) -> Iterator[Path | N
         return
     with tempfile.TemporaryDirectory(prefix="a3b-calibration-") as tmp:
         built_in = Path(tmp) / "broad_calibration_text.txt"
-        built_in.write_text(calibrate.broad_calibration_text(), encoding="utf-8")
+        built_in.write_text(calibrate.broad_calibration_text() if chat_tokenizer is None
+                            else calibrate.chat_calibration_text(chat_template_tokenizer(chat_tokenizer)),
+                            encoding="utf-8")
         yield built_in
+
+
+def chat_template_tokenizer(src: Path):
+    """The source model's tokenizer, refused when it has no chat template to render calibration in."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConversionError(f"--calibration-chat: the tokenizer in {src} has no chat template")
+    return tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -400,6 +414,10 @@ def main(argv: list[str] | None = None) -> int:
     calibration.add_argument("--uncalibrated", action="store_true",
                              help="no calibration: nearest rounding on each block's own weights (much worse)")
     parser.add_argument("--calibration-tokens", type=int, default=DEFAULT_CALIBRATION_TOKENS)
+    parser.add_argument("--calibration-chat", action="store_true",
+                        help="the built-in text's documents each as one exchange in the source model's chat "
+                             "template (its first line asked, the rest answered), so calibration also covers "
+                             "a chat model's answers")
     parser.add_argument("--rounding", choices=get_args(Rounding),
                         help="gptq (the default with calibration): error-compensating rounding in column "
                              "order; nearest (the only choice with --uncalibrated)")
@@ -429,6 +447,9 @@ def main(argv: list[str] | None = None) -> int:
         problem = gpu_block_problem(config.block)
         if problem and not args.cpu_only_blocks:
             raise ConversionError(f"--block-shape: {problem}; --cpu-only-blocks writes it for the CPU kernels alone")
+        if args.calibration_chat and (args.calibration_text or args.uncalibrated):
+            raise ConversionError("--calibration-chat renders the built-in text; it cannot take "
+                                  f"{'--calibration-text' if args.calibration_text else '--uncalibrated'}")
         if args.pipeline == "layers" and args.uncalibrated:
             raise ConversionError("--pipeline layers calibrates: it cannot run --uncalibrated")
         if args.pipeline == "model" and (args.tune_steps is not None or args.tune_inputs is not None):
@@ -447,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.pipeline == "model" and args.device != "cpu":
             raise ConversionError(f"--device {args.device} needs --pipeline layers (the whole-model pipeline runs "
                                   "on the CPU)")
-        with calibration_file(args.calibration_text, args.uncalibrated) as text:
+        with calibration_file(args.calibration_text, args.uncalibrated,
+                              args.src if args.calibration_chat else None) as text:
             if args.pipeline == "layers":
                 from a3b_backend.quant.sequential import convert_layers
 
