@@ -145,3 +145,15 @@ def test_a_stop_that_names_no_generation_is_refused(server, request_id, fragment
     _, error = stream_infer(server.grpc_url, "a3b_llm", {"stop": True}, request_id=request_id)
     assert error is not None and fragment in error
     assert server.is_ready()
+
+
+def test_many_concurrent_bls_streams_finish_and_the_server_stays_up(server):
+    """Streams that end while the cancellation watch polls: it must never ask about a finished one
+    (Triton has freed it: asking crashed tritonserver at 64 engine-free streams)."""
+    import concurrent.futures
+
+    inputs = text_request(CAPITAL, True, {"max_tokens": 8, "ignore_eos": True})
+    with concurrent.futures.ThreadPoolExecutor(48) as pool:
+        results = list(pool.map(lambda _: stream_infer(server.grpc_url, "a3b_bls", inputs), range(96)))
+    assert all(error is None and responses for responses, error in results)
+    assert server.is_ready()

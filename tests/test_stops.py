@@ -72,3 +72,32 @@ def test_the_watch_stops_each_cancelled_generation_once():
         assert stopped == ["cancelled"]
     finally:
         watch.close()
+
+
+class _Finishing:
+    """Counts the times it is asked about after its final response (Triton has freed it by then);
+    each ask takes a while, as a round trip to the server does."""
+
+    def __init__(self):
+        self.finished, self.asked_late = False, 0
+
+    def is_cancelled(self) -> bool:
+        self.asked_late += self.finished
+        threading.Event().wait(0.001)
+        self.asked_late += self.finished
+        return False
+
+
+def test_a_discarded_request_is_never_asked_about_again():
+    watch = CancelWatch(lambda generation_id: None, poll_s=0.0001)
+    requests = [_Finishing() for _ in range(40)]
+    try:
+        for i, request in enumerate(requests):
+            watch.add(str(i), request)
+        for i, request in enumerate(requests):
+            threading.Event().wait(0.0005)
+            watch.discard(str(i))  # as the serving thread does before its final response
+            request.finished = True
+    finally:
+        watch.close()
+    assert sum(r.asked_late for r in requests) == 0

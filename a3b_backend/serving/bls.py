@@ -28,7 +28,10 @@ LLM_OUTPUT_NAMES = list(contract.names(contract.LLM_OUTPUTS))
 class CancelWatch:
     """One thread that asks Triton, every `poll_s`, whether each in-flight client request was
     cancelled and sends a3b_llm a stop for its generation (once). A prefill sends nothing for
-    minutes at 128K, so the serving thread, waiting on a3b_llm's next response, cannot ask."""
+    minutes at 128K, so the serving thread, waiting on a3b_llm's next response, cannot ask.
+    A request is asked about only under the lock and only until `discard`: the serving thread
+    discards it before its final response, after which Triton frees what `is_cancelled` reads
+    (asking then crashed tritonserver at 64 streams)."""
 
     def __init__(self, send_stop, poll_s: float = 0.5):
         self._send_stop, self._poll_s = send_stop, poll_s
@@ -43,6 +46,7 @@ class CancelWatch:
             self._watched[generation_id] = request
 
     def discard(self, generation_id: str) -> None:
+        """Stop asking about it (it is about to send its final response)."""
         with self._lock:
             self._watched.pop(generation_id, None)
 
@@ -53,11 +57,12 @@ class CancelWatch:
     def _run(self) -> None:
         while not self._closed.wait(self._poll_s):
             with self._lock:
-                watched = list(self._watched.items())
-            for generation_id, request in watched:
-                if request.is_cancelled():
-                    self.discard(generation_id)
-                    self._send_stop(generation_id)
+                cancelled = [generation_id for generation_id, request in self._watched.items()
+                             if request.is_cancelled()]
+                for generation_id in cancelled:
+                    del self._watched[generation_id]
+            for generation_id in cancelled:
+                self._send_stop(generation_id)
 
 
 class BlsPipeline:
@@ -95,13 +100,18 @@ class BlsPipeline:
             inputs=[self._pb.Tensor(name, array) for name, array in prepared_arrays(prepared).items()])
         self.watch.add(generation_id, request)
         try:
-            self._relay(generation, sender, final)
+            last = self._relay(generation, sender)
         finally:
             self.watch.discard(generation_id)
+        if last is None:
+            sender.send(flags=final)
+        else:
+            sender.send(last, flags=final)
 
-    def _relay(self, generation: Any, sender: Any, final: int) -> None:
+    def _relay(self, generation: Any, sender: Any) -> Any:
         """a3b_llm's steps as text responses. Each is held until the next arrives, so the last goes out
-        with the final flag (a non-streamed request is then exactly one response, as HTTP generate needs)."""
+        with the final flag (a non-streamed request is then exactly one response, as HTTP generate needs):
+        -> the last response (or an error), for the caller to send as the final one."""
         held, last = None, None
         try:
             for step in generation.exec(decoupled=True):
@@ -118,8 +128,4 @@ class BlsPipeline:
             last = triton.error_response(self._pb, f"postprocessing failed: {exc!r}", invalid_argument=False)
         if last is not None and held is not None:
             sender.send(held)
-        last = last or held
-        if last is None:
-            sender.send(flags=final)
-        else:
-            sender.send(last, flags=final)
+        return last or held
