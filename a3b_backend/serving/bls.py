@@ -100,32 +100,37 @@ class BlsPipeline:
             inputs=[self._pb.Tensor(name, array) for name, array in prepared_arrays(prepared).items()])
         self.watch.add(generation_id, request)
         try:
-            last = self._relay(generation, sender)
+            self._relay(generation, sender, generation_id)
         finally:
             self.watch.discard(generation_id)
-        if last is None:
-            sender.send(flags=final)
-        else:
-            sender.send(last, flags=final)
 
-    def _relay(self, generation: Any, sender: Any) -> Any:
-        """a3b_llm's steps as text responses. Each is held until the next arrives, so the last goes out
-        with the final flag (a non-streamed request is then exactly one response, as HTTP generate needs):
-        -> the last response (or an error), for the caller to send as the final one."""
-        held, last = None, None
+    def _relay(self, generation: Any, sender: Any, generation_id: str) -> None:
+        """a3b_llm's steps as text responses, each sent as it arrives; the one with a finish reason, the
+        last, carries the final flag (a non-streamed request is one response, as HTTP generate needs).
+        The watch forgets the request before any final flag."""
+        final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        last, finished = None, False
         try:
-            for step in generation.exec(decoupled=True):
+            for step in generation.exec(decoupled=True):  # read to its end, whatever was sent
+                if finished:
+                    continue
                 if step.has_error():
                     last = self._pb.InferenceResponse(error=step.error())
                     break
                 tensors = {t.name(): t.as_numpy() for t in step.output_tensors()}
-                if not tensors:  # the flag-only end of a stream
+                if not tensors:  # the flag-only end of a stream that had no finish reason (a stop)
                     continue
-                if held is not None:
-                    sender.send(held)
-                held = triton.response(self._pb, step_outputs(tensors, self._tokenizer))
+                response = triton.response(self._pb, step_outputs(tensors, self._tokenizer))
+                finished = "finish_reason" in tensors
+                if finished:
+                    self.watch.discard(generation_id)
+                sender.send(response, flags=final if finished else 0)
         except Exception as exc:  # a bug answers this request, not the others
             last = triton.error_response(self._pb, f"postprocessing failed: {exc!r}", invalid_argument=False)
-        if last is not None and held is not None:
-            sender.send(held)
-        return last or held
+        if finished:
+            return
+        self.watch.discard(generation_id)
+        if last is None:
+            sender.send(flags=final)
+        else:
+            sender.send(last, flags=final)
