@@ -76,11 +76,7 @@ class BlsPipeline:
         threading.Thread(target=self._serve, args=(request,), name="a3b-bls-request", daemon=True).start()
 
     def _send_stop(self, generation_id: str) -> None:
-        stop = self._pb.InferenceRequest(
-            model_name=contract.LLM_MODEL, request_id=generation_id, requested_output_names=[],
-            inputs=[self._pb.Tensor(contract.STOP, np.array([True]))])
-        for _ in stop.exec(decoupled=True):
-            pass
+        triton.send_control(self._pb, {contract.STOP: np.array([True])}, request_id=generation_id)
 
     def _serve(self, request: Any) -> None:
         sender = request.get_response_sender()

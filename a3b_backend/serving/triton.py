@@ -119,6 +119,15 @@ class QuietStreamWatch:
                 return
 
 
+def send_control(pb_utils: Any, inputs: Mapping[str, np.ndarray], request_id: str = "") -> None:
+    """A control request to a3b_llm (an abort or a stop, by BLS), waited for: it answers at once, with nothing."""
+    control = pb_utils.InferenceRequest(model_name=contract.LLM_MODEL, request_id=request_id,
+                                        requested_output_names=[],
+                                        inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()])
+    for _ in control.exec(decoupled=True):
+        pass
+
+
 class CancellationForwarder:
     """Asks a3b_llm to abort the generation behind a cancelled ensemble stream
     (once), since Triton 2.51 does not pass the cancellation on."""
@@ -133,9 +142,4 @@ class CancellationForwarder:
                 or not request.is_cancelled()):
             return
         self._aborted.append(request_id)
-        control = self._pb_utils.InferenceRequest(
-            model_name=contract.LLM_MODEL, requested_output_names=[],
-            inputs=[self._pb_utils.Tensor(contract.ABORT_REQUEST_ID, string_tensor(request_id))],
-        )
-        for _ in control.exec(decoupled=True):
-            pass
+        send_control(self._pb_utils, {contract.ABORT_REQUEST_ID: string_tensor(request_id)})
