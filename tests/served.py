@@ -45,6 +45,15 @@ def text_request(prompt: str, stream: bool, sampling: dict | None = None, chat: 
     return inputs
 
 
+def open_stream(url: str, model: str, inputs: dict, request_id: str = ""):
+    """One request sent on a new gRPC stream, left open: (client, queue of (result, error))."""
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.async_stream_infer(model, [tensor(k, v) for k, v in inputs.items()], request_id=request_id)
+    return client, results
+
+
 def stream_infer(url: str, model: str, inputs: dict, timeout_s: float = 120,
                  request_id: str = "") -> tuple[list[dict], str | None]:
     """One request over a gRPC stream; returns (responses as dicts of arrays, error text)."""

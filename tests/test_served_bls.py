@@ -3,14 +3,12 @@ contract holds on a3b_bls, and a cancellation there frees the engine during a pr
 from __future__ import annotations
 
 import json
-import queue
 import time
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 
-from served import (CAPITAL, GREEDY, engine_idle, http_post, metric, scrape, sse_events, stream_infer, tensor,
+from served import (CAPITAL, GREEDY, engine_idle, http_post, metric, open_stream, scrape, sse_events, stream_infer,
                     text_request)
 
 pytestmark = pytest.mark.served
@@ -83,19 +81,11 @@ def test_bls_over_http_generate_and_generate_stream(server):
     assert answers["a3b_bls"] == answers["ensemble"] and answers["a3b_bls"][0] == answers["a3b_bls"][1]
 
 
-def _open_stream(url: str, model: str, inputs: dict, request_id: str = ""):
-    results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer(model, [tensor(k, v) for k, v in inputs.items()], request_id=request_id)
-    return client, results
-
-
 def test_a_prefill_cancelled_through_bls_frees_the_engine_at_once(server):
     """The ensemble cannot do this: its cancellation reaches no step while the prefill runs
     (docs/operations.md, Cancellation). Through a3b_bls it sends a3b_llm a stop within 0.5 s and
-    vLLM drops the request at its next step: one 1,024-token chunk of the cpu profile, ~4 s here."""
-    client, results = _open_stream(server.grpc_url, "a3b_bls",
+    vLLM drops the request at its next step: one 1,024-token chunk of the cpu profile."""
+    client, results = open_stream(server.grpc_url, "a3b_bls",
                                    text_request("word " * 7000, True, {"max_tokens": 16, "ignore_eos": True},
                                                 chat=False))
     time.sleep(3)  # well inside the ~30 s prefill
@@ -106,7 +96,7 @@ def test_a_prefill_cancelled_through_bls_frees_the_engine_at_once(server):
     responses, error = stream_infer(server.grpc_url, "a3b_bls", text_request(CAPITAL, False, {"max_tokens": 1}))
     assert error is None and responses
     # behind a prefill left running it would have waited ~25 s more
-    # behind a prefill left running it would have waited ~25 s more (measured 1.5 s)
+    # behind a prefill left running it would have waited ~25 s more
     assert time.monotonic() - cancelled < 8
     assert metric(scrape(server.metrics_port), "a3b_num_requests_running") == 0
 
@@ -114,7 +104,7 @@ def test_a_prefill_cancelled_through_bls_frees_the_engine_at_once(server):
 def test_stop_input_ends_the_generation_sent_with_its_id(server):
     long_run = {"input_ids": np.arange(100, 140, dtype=I32), "stream": True,
                 "sampling_parameters": json.dumps({"max_tokens": 2000, "ignore_eos": True})}
-    client, results = _open_stream(server.grpc_url, "a3b_llm", long_run, request_id="story-7")
+    client, results = open_stream(server.grpc_url, "a3b_llm", long_run, request_id="story-7")
     try:
         result, error = results.get(timeout=120)
         assert error is None  # generating

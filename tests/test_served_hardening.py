@@ -3,16 +3,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import queue
 import time
 
 import numpy as np
 import psutil
 import pytest
-import tritonclient.grpc as grpcclient
 
 from a3b_backend.bench import loadgen
-from served import (CAPITAL, GREEDY, engine_idle, metric, ready_script, scrape, stream_infer, tensor,
+from served import (CAPITAL, GREEDY, engine_idle, metric, open_stream, ready_script, scrape, stream_infer,
                     text_request, texts)
 
 pytestmark = pytest.mark.served
@@ -119,10 +117,7 @@ def _stub_rss(model: str) -> int:
 
 
 def _cancel_after_first(url: str, inputs: dict, model: str = "a3b_llm") -> None:
-    results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer(model, [tensor(k, v) for k, v in inputs.items()])
+    client, results = open_stream(url, model, inputs)
     result, error = results.get(timeout=120)
     assert error is None
     client.stop_stream(cancel_requests=True)
@@ -167,10 +162,7 @@ def test_a_stream_cancelled_during_its_prefill_is_aborted_then(server):
     request at its next step instead of prefilling on."""
     inputs = {"input_ids": np.arange(1000, 1000 + 7000, dtype=I32), "stream": True,
               "sampling_parameters": j(max_tokens=16, ignore_eos=True)}
-    results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer("a3b_llm", [tensor(k, v) for k, v in inputs.items()])
+    client, results = open_stream(server.grpc_url, "a3b_llm", inputs)
     time.sleep(3)  # well inside the ~30 s prefill
     assert results.empty()
     cancelled = time.monotonic()
