@@ -141,7 +141,7 @@ bench-serving-path: setup model perf-tools
 	$(PY) perf/serving_path.py --sending per-token --out perf/results/serving_path/per_token
 
 # The two entry points on the same engine-free path, in turn at each level: ensemble, a3b_bls, and
-# ensemble again (the A/A floor); perf/results/serving_path/entry_points/, ~10 min
+# ensemble again (the A/A floor); perf/results/serving_path/entry_points/, ~5 min
 bench-entry-points: setup model perf-tools
 	$(PY) perf/serving_path.py --models ensemble a3b_bls ensemble --concurrency 1 4 16 64 \
 	  --out perf/results/serving_path/entry_points
