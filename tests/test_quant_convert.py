@@ -392,6 +392,22 @@ def test_chat_calibration_text_renders_each_document_as_one_exchange(tmp_path, m
     assert tokenizer.convert_tokens_to_ids("<|im_start|>") in ids  # the template's special tokens, as served
 
 
+def test_the_config_records_which_calibration_text_ran(tmp_path, tokenizer):
+    from a3b_backend.quant.convert import BUILT_IN_FILES, main
+
+    src = tiny(tmp_path, "llama", vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(src)
+    records = {}
+    for flags in ([], ["--calibration-chat"]):
+        dst = tmp_path / f"out{len(flags)}"
+        assert main([str(src), str(dst), "--block-shape", "1", "32", "--cpu-only-blocks", "--calibration-tokens", "256",
+                     "--tune-epochs", "0", *flags]) == 0
+        records[bool(flags)] = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert records[False]["calibration_text"] == BUILT_IN_FILES["plain"]
+    assert records[True]["calibration_text"] == BUILT_IN_FILES["chat"]
+    assert records[True]["calibration_text_sha256"] != records[False]["calibration_text_sha256"]
+
+
 def test_chat_calibration_is_refused_with_a_text_of_ones_own(tmp_path, capsys):
     from a3b_backend.quant.convert import main
 

@@ -162,8 +162,10 @@ def calibration_ids(src: Path, text_path: Path, tokens: int) -> torch.Tensor:
 
 
 def calibration_record(text_path: Path, tokens: int, experts_on_fallback: int) -> dict:
-    """What a calibrated checkpoint's config records of its calibration: the text by content (its sha256)."""
-    return {"calibration_text_sha256": hashlib.sha256(text_path.read_bytes()).hexdigest(),
+    """What a calibrated checkpoint's config records of its calibration: the text by name (the file's;
+    the built-in ones are BUILT_IN_FILES) and by content (its sha256)."""
+    return {"calibration_text": text_path.name,
+            "calibration_text_sha256": hashlib.sha256(text_path.read_bytes()).hexdigest(),
             "calibration_tokens": tokens, "experts_on_fallback": experts_on_fallback}
 
 
@@ -367,6 +369,8 @@ def _names(shard: Path) -> list[str]:
 # 128 windows of 512: the budget llm-compressor's examples and `make compare-quant` calibrate on.
 DEFAULT_CALIBRATION_TOKENS = 128 * 512
 BUILT_IN_TEXT = "calibrate.broad_calibration_text()"
+# The built-in text's file names, by rendering: what a checkpoint's `calibration_text` records
+BUILT_IN_FILES = {"plain": "built-in.txt", "chat": "built-in-as-chat-exchanges.txt"}
 
 
 @contextlib.contextmanager
@@ -382,7 +386,7 @@ def calibration_file(path: Path | None, uncalibrated: bool, chat_tokenizer: Path
         yield path
         return
     with tempfile.TemporaryDirectory(prefix="a3b-calibration-") as tmp:
-        built_in = Path(tmp) / "broad_calibration_text.txt"
+        built_in = Path(tmp) / BUILT_IN_FILES["plain" if chat_tokenizer is None else "chat"]
         built_in.write_text(calibrate.broad_calibration_text() if chat_tokenizer is None
                             else calibrate.chat_calibration_text(chat_template_tokenizer(chat_tokenizer)),
                             encoding="utf-8")
