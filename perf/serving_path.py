@@ -108,9 +108,9 @@ def client_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_level(server, label: str, concurrency: int, tokens: int, interval_ms: float, epoch_ns: int, work: Path,
-              source_text: str) -> Level:
-    args = ["-m", label.split(" ")[0], "-u", server.grpc_url, "-i", "grpc", "--streaming", "--async",
+def run_level(server, model: str, label: str, concurrency: int, tokens: int, interval_ms: float, epoch_ns: int,
+              work: Path, source_text: str) -> Level:
+    args = ["-m", model, "-u", server.grpc_url, "-i", "grpc", "--streaming", "--async",
             "--input-data", str(input_file(work / "input.json", tokens)), "--concurrency-range", str(concurrency),
             "--measurement-mode", "count_windows", "--measurement-request-count", str(max(8, 2 * concurrency)),
             "--stability-percentage", "999", "--max-trials", "3"]
@@ -258,12 +258,14 @@ def main(argv: list[str] | None = None) -> None:
         server = server_process.start(work / "tritonserver.log", env)
         levels = []
         try:
+            # a model named again is labelled by its run: "ensemble #2"
             labels = [model if args.models[:i].count(model) == 0 else f"{model} #{args.models[:i].count(model) + 1}"
                       for i, model in enumerate(args.models)]
-            runs = [(concurrency, label) for concurrency in args.concurrency for label in labels]
-            for concurrency, label in tqdm(runs, desc="serving path", unit="run"):
-                levels.append(run_level(server, label, concurrency, args.tokens, args.interval_ms, epoch_ns, work,
-                                        source_text))
+            runs = [(concurrency, model, label) for concurrency in args.concurrency
+                    for model, label in zip(args.models, labels)]
+            for concurrency, model, label in tqdm(runs, desc="serving path", unit="run"):
+                levels.append(run_level(server, model, label, concurrency, args.tokens, args.interval_ms, epoch_ns,
+                                        work, source_text))
                 tqdm.write(markdown(levels[-1:]).splitlines()[-1])
         finally:
             server.stop()
