@@ -30,8 +30,8 @@ class CancelWatch:
     cancelled and sends a3b_llm a stop for its generation (once). A prefill sends nothing for
     minutes at 128K, so the serving thread, waiting on a3b_llm's next response, cannot ask.
     A request is asked about only under the lock and only until `discard`: the serving thread
-    discards it before its final response, after which Triton frees what `is_cancelled` reads
-    (asking then crashed tritonserver at 64 streams)."""
+    discards it before its final response, after which Triton 2.51 has freed what `is_cancelled`
+    reads and asking crashes tritonserver (tests/test_stops.py keeps the order)."""
 
     def __init__(self, send_stop, poll_s: float = 0.5):
         self._send_stop, self._poll_s = send_stop, poll_s
