@@ -10,7 +10,7 @@ ifeq ($(origin PROFILE),command line)
 $(error PROFILE=$(PROFILE) is not read: name the profile with A3B_PROFILE=$(PROFILE), as make serve does)
 endif
 
-.PHONY: setup model model-qwen serve test test-distributed test-slow test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust locust-rag bench-overload bench-serving-path bench-entry-points bench-serving-cpu bench-overhead bench-overhead-goal overhead-runs bench-prefix-cache bench-long-context bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu gpu-check gpu-check-dry-run profile-gpu kv-report quality quant-tools compare-quant compare-quant-a3b bench-convert-scale bench-qwen-fidelity bench-calibration-budget bench-block-tune answer-margins clean
+.PHONY: setup model model-qwen serve test test-distributed test-slow test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust locust-rag bench-overload bench-serving-path bench-entry-points bench-serving-cpu bench-overhead bench-overhead-goal overhead-runs bench-prefix-cache bench-long-context bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu gpu-check gpu-check-dry-run profile-gpu kv-report quality quant-tools compare-quant compare-quant-a3b bench-convert-scale bench-qwen-fidelity bench-calibration-budget bench-block-tune bench-end-to-end-tune answer-margins clean
 
 setup:
 	bash scripts/setup.sh
@@ -189,10 +189,10 @@ compare-quant: setup model quant-tools
 	$(PY) perf/quant_compare/compare.py
 
 # A3B's own rows of compare-quant (no llm-compressor needed): the default pipeline, untuned, the layer
-# pipeline untuned and tuned block-wise, and uncalibrated, against bf16 through vLLM (perf/results/quant_compare/a3b/)
+# pipeline untuned and tuned end to end, and uncalibrated, against bf16 through vLLM (perf/results/quant_compare/a3b/)
 compare-quant-a3b: setup model
 	$(PY) perf/quant_compare/compare.py --only bf16 A3B "A3B, no tuning" "A3B, layer pipeline" \
-		"A3B, layer pipeline, tuned block-wise" "A3B uncalibrated" --out perf/results/quant_compare/a3b
+		"A3B, layer pipeline, tuned end to end" "A3B uncalibrated" --out perf/results/quant_compare/a3b
 
 # a3b-quantize --pipeline layers on random checkpoints of 2 and 4 layers at Qwen3.6-35B-A3B's real width:
 # peak RSS against layers, seconds per layer, rounding throughput, a 40-layer projection (perf/results/convert_scale/)
@@ -209,6 +209,11 @@ bench-calibration-budget: setup model
 # error-compensating rounding it starts from, by step (perf/results/block_tune/)
 bench-block-tune: setup model
 	$(PY) perf/block_tune_sweep.py
+
+# the layer pipeline's end-to-end tuning (untuned, 1 and 3 epochs) against the whole model's, on SmolLM2
+# at make model's budget: perplexity on both held-out registers, held-out KL, times (perf/results/end_to_end_tune/)
+bench-end-to-end-tune: setup model
+	$(PY) perf/end_to_end_tune.py
 
 # qwen-tiny's A3B conversions (uncalibrated, both pipelines) against its source, as built and with
 # outlier RMSNorm channels: excess NLL on sequences it samples (perf/results/qwen_fidelity/)

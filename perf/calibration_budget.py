@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -31,14 +32,29 @@ EVAL_TOKENS = 8192
 SERVED = PROJECT_ROOT / "models" / "smollm2-135m-instruct-a3b"  # make model's checkpoint
 
 
-def convert(tokens: int) -> tuple[float, object]:
-    dst = WORK / f"a3b-{tokens}"
+def convert(tokens: int, *options: str, name: str | None = None) -> tuple[float, Path]:
+    """a3b-quantize SOURCE at `tokens` calibration tokens with `options`, in a process of its own,
+    into WORK/`name` -> (seconds, the checkpoint)."""
+    dst = WORK / (name or f"a3b-{tokens}")
     shutil.rmtree(dst, ignore_errors=True)
     shutil.rmtree(dst.with_name(dst.name + ".partial"), ignore_errors=True)
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "a3b_backend.quant.convert", str(SOURCE), str(dst),
-                    "--calibration-tokens", str(tokens)], check=True)
+                    "--calibration-tokens", str(tokens), *options], check=True)
     return time.perf_counter() - started, dst
+
+
+def register_ids() -> dict[str, torch.Tensor]:
+    """EVAL_TOKENS tokens of each held-out register, in SOURCE's tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(SOURCE)
+    return {register: torch.tensor(tokenizer.encode(text())[:EVAL_TOKENS]) for register, text in REGISTERS.items()}
+
+
+def perplexities(checkpoint: Path, ids: dict[str, torch.Tensor]) -> dict[str, float]:
+    model = float_model(checkpoint)
+    return {register: perplexity(model, register_ids) for register, register_ids in ids.items()}
 
 
 def plot(rows: dict, path) -> None:
@@ -63,24 +79,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS),
                         help=f"the budgets to convert at (default {' '.join(map(str, BUDGETS))})")
     args = parser.parse_args(argv)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(SOURCE)
-    ids = {register: torch.tensor(tokenizer.encode(text())[:EVAL_TOKENS]) for register, text in REGISTERS.items()}
-
-    def perplexities(checkpoint) -> dict[str, float]:
-        model = float_model(checkpoint)
-        return {register: perplexity(model, register_ids) for register, register_ids in ids.items()}
-
-    rows = {"bf16 source": {"perplexity": perplexities(SOURCE), "conversion_s": None}}
+    ids = register_ids()
+    rows = {"bf16 source": {"perplexity": perplexities(SOURCE, ids), "conversion_s": None}}
     for tokens in args.budgets:
         seconds, dst = convert(tokens)
-        rows[f"A3B, {tokens} calibration tokens"] = {"perplexity": perplexities(dst), "conversion_s": seconds}
+        rows[f"A3B, {tokens} calibration tokens"] = {"perplexity": perplexities(dst, ids), "conversion_s": seconds}
         print(f"{tokens} tokens: perplexity {rows[f'A3B, {tokens} calibration tokens']['perplexity']}", flush=True)
     if SERVED.is_dir():  # the served default beside the budgets: make model's conversion, its time not known here
         served_tokens = json.loads((SERVED / "config.json").read_text())["quantization_config"]["calibration_tokens"]
         rows[f"make model's checkpoint ({served_tokens} calibration tokens)"] = {
-            "perplexity": perplexities(SERVED), "conversion_s": None}
+            "perplexity": perplexities(SERVED, ids), "conversion_s": None}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "calibration_budget.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
     base = rows["bf16 source"]["perplexity"]

@@ -49,6 +49,7 @@ VARIANTS = {
     "whole model, no tuning": ("model-untuned", ["--pipeline", "model", "--tune-epochs", "0"]),
     "whole model, tuned": ("model", ["--pipeline", "model"]),
     "layers (the 35B path)": ("layers", ["--pipeline", "layers"]),
+    "layers, tuned end to end": ("layers-end-to-end", ["--pipeline", "layers", "--tune-epochs", "1"]),
     "layers, tuned block-wise": ("layers-tuned", ["--pipeline", "layers", "--tune-steps", str(TUNE_STEPS)]),
     "layers, experts on every token": ("layers-every-token", ["--pipeline", "layers", "--expert-tokens", "all"]),
 }

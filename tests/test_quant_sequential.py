@@ -16,7 +16,7 @@ from a3b_backend.profiles import PROJECT_ROOT
 from a3b_backend.quant import calibrate, sequential
 from a3b_backend.quant.dequantized import float_model
 from a3b_backend.quant.convert import ConversionError, convert, main
-from a3b_backend.quant.block_tune import BlockTuneConfig
+from a3b_backend.quant.block_tune import BlockTuneConfig, held_out_windows
 from a3b_backend.quant.tune import TuneConfig
 
 sys.path.insert(0, str(PROJECT_ROOT / "perf"))
@@ -29,6 +29,14 @@ TEXT = "The quick brown fox jumps over the lazy dog. A lazy dog sleeps in the su
 def text(tmp_path) -> Path:
     path = tmp_path / "calib.txt"
     path.write_text(TEXT)
+    return path
+
+
+@pytest.fixture
+def windows_16(tmp_path) -> Path:
+    """A calibration text of 16 windows (the fewest that hold some out of training)."""
+    path = tmp_path / "calib-16.txt"
+    path.write_text(TEXT * 7)
     return path
 
 
@@ -163,6 +171,71 @@ def test_an_interrupted_conversion_resumes_from_the_next_layer(tmp_path, tokeniz
 original_load = sequential.load_layer
 
 
+def _kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
+    return float(torch.nn.functional.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True,
+                                            reduction="batchmean"))
+
+
+@pytest.mark.parametrize("model_type, extra", [("llama", {}), ("qwen3_5_moe_text", QWEN35)])
+def test_end_to_end_tuning_layer_by_layer_brings_the_model_closer_to_the_source(tmp_path, tokenizer, windows_16,
+                                                                                model_type, extra):
+    """--tune-epochs on the layer pipeline, on a model with outlier channels: the stored metadata
+    and norms change (the 4-bit codes stay), the held-out KL falls and the config says so, and
+    the checkpoint written is the tuned one: read back, it is nearer the source on a held-out window."""
+    src = qwen_fidelity.with_outliers(checkpoint(tmp_path, tokenizer, model_type, extra,
+                                                 published=model_type != "llama"), tmp_path / "outliers")
+    windows = sequential.windows_of(src, windows_16, 16 * sequential.SEQ_LEN)
+    ids = windows[held_out_windows(len(windows))[0]].unsqueeze(0)
+    with torch.no_grad():
+        reference = float_model(src)(ids).logits
+    kl, stored = {}, {}
+    for epochs in (0, 2):
+        dst = sequential.convert_layers(src, tmp_path / f"tuned-{epochs}", CONFIG, windows_16, 16 * sequential.SEQ_LEN,
+                                        rounding="nearest", end_to_end=TuneConfig(epochs=epochs, lr=1e-2))
+        quantization = json.loads((dst / "config.json").read_text())["quantization_config"]
+        with torch.no_grad():
+            kl[epochs] = _kl(reference, float_model(dst)(ids).logits)
+        stored[epochs] = tensors(dst)
+    assert quantization["tuned_epochs"] == 2
+    record = quantization["end_to_end_tuning"]
+    before, after = record["held_out_kl"]
+    assert record["best_step"] > 0 and after < 0.9 * before, record
+    assert kl[2] < kl[0], kl
+    changed = {n for n in stored[0] if not torch.equal(stored[0][n], stored[2][n])}
+    assert not any(n.endswith("_packed") for n in changed)
+    assert any(n.endswith("_lo_scale") for n in changed) and any("layernorm.weight" in n for n in changed), changed
+
+
+def test_an_interrupted_end_to_end_tuning_resumes_to_the_same_bytes(tmp_path, tokenizer, windows_16, monkeypatch,
+                                                                    capsys):
+    text = windows_16
+    src = checkpoint(tmp_path, tokenizer, "llama", {})
+    tuning = TuneConfig(epochs=1, lr=1e-2)
+    reference = tensors(sequential.convert_layers(src, tmp_path / "reference", CONFIG, text,
+                                                  16 * sequential.SEQ_LEN, "nearest", end_to_end=tuning))
+    original = sequential.stream_tune.ConvertedLayers.build
+    built = []
+
+    def crash_after_the_first_evaluations(self, index):
+        built.append(index)
+        if len(built) > 2 * 2 * 14 + 2 * 6:  # past the first step's evaluation (14 training windows, 2 held out)
+            raise KeyboardInterrupt
+        return original(self, index)
+
+    monkeypatch.setattr(sequential.stream_tune.ConvertedLayers, "build", crash_after_the_first_evaluations)
+    with pytest.raises(KeyboardInterrupt):
+        sequential.convert_layers(src, tmp_path / "out", CONFIG, text, 16 * sequential.SEQ_LEN, "nearest",
+                                  end_to_end=tuning)
+    state = torch.load(tmp_path / "out.partial" / sequential.stream_tune.STATE)
+    assert 0 < state["step"] < 14
+    monkeypatch.setattr(sequential.stream_tune.ConvertedLayers, "build", original)
+    capsys.readouterr()
+    resumed = tensors(sequential.convert_layers(src, tmp_path / "out", CONFIG, text, 16 * sequential.SEQ_LEN,
+                                                "nearest", end_to_end=tuning))
+    assert f"resuming the end-to-end tuning at step {state['step']}" in capsys.readouterr().out
+    assert set(resumed) == set(reference) and all(torch.equal(resumed[n], reference[n]) for n in reference)
+
+
 def test_refusals(tmp_path, tokenizer, text):
     src = checkpoint(tmp_path, tokenizer, "llama", {})
     with pytest.raises(ConversionError, match=r"calib.txt is \d+ tokens; --calibration-tokens asks for 100000"):
@@ -181,7 +254,7 @@ def test_refusals(tmp_path, tokenizer, text):
 @pytest.mark.parametrize("options, named", [
     (["--tune-steps", "5"], "--tune-steps and --tune-inputs need --pipeline layers"),
     (["--tune-inputs", "quantized"], "--tune-steps and --tune-inputs need --pipeline layers"),
-    (["--pipeline", "layers", "--tune-epochs", "1"], "--tune-epochs needs --pipeline model"),
+    (["--pipeline", "layers", "--tune-epochs", "-1"], "--tune-epochs -1: allowed are 0"),
     (["--pipeline", "layers", "--tune-steps", "-1"], "--tune-steps -1: allowed are 0"),
     (["--pipeline", "layers", "--tune-inputs", "float"], "--tune-inputs float chooses what --tune-steps N tunes on"),
 ])

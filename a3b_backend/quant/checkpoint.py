@@ -8,7 +8,7 @@ import contextlib
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 # Outside the top level, where vLLM loads every *.safetensors file as weights.
 INPUT_SCALES_FILE = "a3b/input_scales.safetensors"
@@ -35,3 +35,10 @@ def building(dst: Path, resume: bool = False) -> Iterator[Path]:
         raise
     shutil.rmtree(dst, ignore_errors=True)
     os.replace(partial, dst)
+
+
+def write_atomic(write: Callable[[Path], object], path: Path) -> None:
+    """`write(tmp)` then tmp renamed to `path`: an interruption leaves the old file or none, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)

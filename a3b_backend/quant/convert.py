@@ -426,8 +426,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="gptq (the default with calibration): error-compensating rounding in column "
                              "order; nearest (the only choice with --uncalibrated)")
     parser.add_argument("--tune-epochs", type=int,
-                        help=f"--pipeline model: passes over the calibration text tuning the metadata end to end "
-                             f"(default {TuneConfig.epochs}); 0: none")
+                        help=f"passes over the calibration text tuning the metadata end to end (--pipeline "
+                             f"model: default {TuneConfig.epochs}; --pipeline layers, one layer in memory at a time "
+                             f"(a3b_backend/quant/stream_tune.py): default 0); 0: none")
     parser.add_argument("--tune-steps", type=int,
                         help="--pipeline layers: steps per layer tuning its rounding and metadata block-wise, "
                              "AutoRound's recipe (a3b_backend/quant/block_tune.py; AutoRound takes 200); default 0, "
@@ -459,9 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.pipeline == "model" and (args.tune_steps is not None or args.tune_inputs is not None):
             raise ConversionError("--tune-steps and --tune-inputs need --pipeline layers (the whole-model pipeline "
                                   "tunes end to end: --tune-epochs)")
-        if args.pipeline == "layers" and args.tune_epochs is not None:
-            raise ConversionError("--tune-epochs needs --pipeline model; --pipeline layers tunes block-wise: "
-                                  "--tune-steps")
+        if args.tune_epochs is not None and args.tune_epochs < 0:
+            raise ConversionError(f"--tune-epochs {args.tune_epochs}: allowed are 0 (no tuning) or more")
         if args.tune_steps is not None and args.tune_steps < 0:
             raise ConversionError(f"--tune-steps {args.tune_steps}: allowed are 0 (no tuning) or more")
         if args.tune_inputs is not None and not args.tune_steps:
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                 convert_layers(args.src, args.dst, config, text, args.calibration_tokens, args.rounding or "gptq",
                                BlockTuneConfig(**({} if args.tune_steps is None else {"steps": args.tune_steps}),
                                                inputs=args.tune_inputs or BlockTuneConfig.inputs), args.device,
-                               args.expert_tokens == "all")
+                               args.expert_tokens == "all", TuneConfig(epochs=args.tune_epochs or 0))
             else:
                 convert(args.src, args.dst, config, text, args.calibration_tokens, args.rounding,
                         TuneConfig() if args.tune_epochs is None else TuneConfig(epochs=args.tune_epochs))

@@ -46,7 +46,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils._pytree import tree_map_only
 from tqdm import tqdm
 
-from a3b_backend.quant import calibrate, checkpoint
+from a3b_backend.quant import calibrate, checkpoint, stream_tune
 from a3b_backend.quant.block_tune import BlockTuneConfig, BlockTuned, tune_block
 from a3b_backend.quant.experts import round_experts
 from a3b_backend.quant.convert import (ZERO_CENTRED_NORMS, ConversionError, Rounding, awq_calibration,
@@ -54,12 +54,16 @@ from a3b_backend.quant.convert import (ZERO_CENTRED_NORMS, ConversionError, Roun
                                        folded_scales, quantization_config, quantize_linear, write_side_files)
 from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
 from a3b_backend.quant.names import Layout, LayoutError, layout_of
+from a3b_backend.quant.tune import TuneConfig
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 PROGRESS, ACTIVATIONS = "progress.json", "activations.pt"
 SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors".format
 LAYER_SHARD = "layer-{:05d}.safetensors.part".format  # a layer's shard until the conversion is complete
+SCALES_SHARD = ".scales-{:05d}.safetensors".format  # a layer's folded AWQ scales until _finish gathers them
+# tuned end to end, written beside the untuned ones the tuning reads until _finish puts them in their place
+TUNED_SHARD, TUNED_SCALES = "layer-{:05d}.tuned.safetensors.part".format, ".scales-{:05d}.tuned.safetensors".format
 REST_SHARD_BYTES = 2**30
 # What the conversion measured of itself (per layer: seconds of statistics, rounding, passing on; peak RSS).
 REPORT = "a3b/conversion.json"
@@ -224,7 +228,8 @@ class LayerResult:
     expert_projections: int
     seconds: dict[str, float]  # statistics (the layer's forward over the windows), rounding (AWQ search
     # included) and tuning
-    float_outputs: list[torch.Tensor] | None = None  # the float layer's outputs on the float chain (tuned)
+    float_outputs: list[torch.Tensor] | None = None  # the float layer's outputs on the float chain (tuned, or
+    # a float chain carried)
     tuning: BlockTuned | None = None
 
 
@@ -235,12 +240,12 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
     """Calibrates, rounds and tunes one loaded layer on `hidden`; its weights become their quantized
     values (in the source's scale) for the next layer's inputs. Tuned, its targets are the float
     layer's outputs on `float_hidden` (the float chain's inputs), or on `hidden` where that is the
-    float chain (None)."""
+    float chain (None). Given `float_hidden`, the float layer's outputs on it come back, tuned or not."""
     prefix = f"model.layers.{index}."
     started = time.perf_counter()
     routed: dict[str, calibrate.RoutedInputs] = {}
     tuned_here = tune_config.steps > 0
-    float_outputs = run_layer(layer, float_hidden, calls) if tuned_here and float_hidden is not None else []
+    float_outputs = run_layer(layer, float_hidden, calls) if float_hidden is not None else []
 
     def run() -> None:
         outputs = run_layer(layer, hidden, calls)
@@ -301,7 +306,7 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
     seconds = {"statistics": recorded - started, "rounding": rounded - recorded,
                "tuning": time.perf_counter() - rounded}
     return LayerResult({name: tensor.cpu() for name, tensor in out.items()}, scales, fallbacks, compensated,
-                       projections, seconds, float_outputs if tuned_here else None, tuned)
+                       projections, seconds, float_outputs if tuned_here or float_hidden is not None else None, tuned)
 
 
 def windows_of(src: Path, text_path: Path, tokens: int) -> list[torch.Tensor]:
@@ -311,14 +316,16 @@ def windows_of(src: Path, text_path: Path, tokens: int) -> list[torch.Tensor]:
 
 
 def fingerprint(src: Path, text_path: Path, tokens: int, config: A3BConfig, rounding: Rounding,
-                tune_config: BlockTuneConfig, every_expert: bool = False) -> str:
+                tune_config: BlockTuneConfig, every_expert: bool = False,
+                end_to_end: TuneConfig = TuneConfig(epochs=0)) -> str:
     """What an interrupted run must share with this one for its layers to be kept (not the device:
     a conversion interrupted on a GPU host may go on on the CPU)."""
     digest = hashlib.sha256()
     text = hashlib.sha256(text_path.read_bytes()).hexdigest()
     for part in (str(src.resolve()), (src / "config.json").read_text(), text, tokens,
                  json.dumps(config.to_json()), rounding, json.dumps(dataclasses.asdict(tune_config)),
-                 *(["every expert"] if every_expert else [])):
+                 *(["every expert"] if every_expert else []),
+                 *([json.dumps(dataclasses.asdict(end_to_end))] if end_to_end.epochs else [])):
         digest.update(str(part).encode())
     return digest.hexdigest()
 
@@ -334,15 +341,9 @@ def check_disk(src: Path, dst: Path) -> None:
                               f"{needed / 2**30:.1f} GiB (the source's size)")
 
 
-def _save_atomic(write, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Path, calibration_tokens: int = 2048,
                    rounding: Rounding = "gptq", tune_config: BlockTuneConfig = BlockTuneConfig(), device: str = "cpu",
-                   every_expert: bool = False) -> Path:
+                   every_expert: bool = False, end_to_end: TuneConfig = TuneConfig(epochs=0)) -> Path:
     target = check_device(device)
     model_config = check_paths(src, dst)
     check_disk(src, dst)
@@ -351,7 +352,8 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
     windows = windows_of(src, calibration_text, calibration_tokens)
     model = skeleton(src)
     hidden, calls, layers = layer_inputs(model, source, windows)
-    stamp = fingerprint(src, calibration_text, calibration_tokens, config, rounding, tune_config, every_expert)
+    stamp = fingerprint(src, calibration_text, calibration_tokens, config, rounding, tune_config, every_expert,
+                        end_to_end)
     partial = dst.with_name(dst.name + ".partial")
     progress = json.loads((partial / PROGRESS).read_text()) if (partial / PROGRESS).exists() else None
     resume = progress is not None and progress["fingerprint"] == stamp
@@ -363,8 +365,12 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
             partial.mkdir()
             progress = {"fingerprint": stamp, "layers_done": 0, "experts_on_fallback": 0, "layers": []}
         done = progress["layers_done"]
-        # Tuned on quantized inputs, the float chain runs beside the quantized one (the targets' inputs)
-        float_hidden = [h.clone() for h in hidden] if tune_config.steps and tune_config.inputs == "quantized" else None
+        # The float chain runs beside the quantized one where the block tuning's targets take it as
+        # inputs (tuned on quantized inputs) or the end-to-end tuning's teacher ends it; tuned on
+        # float inputs, the chain passed on is the float one
+        float_chain_is_passed_on = bool(tune_config.steps) and tune_config.inputs == "float"
+        float_hidden = ([h.clone() for h in hidden] if not float_chain_is_passed_on
+                        and (tune_config.steps or end_to_end.epochs) else None)
         if done:
             print(f"resuming {dst}: layers 0-{done - 1} of {len(layers)} were converted by an earlier run")
             hidden, float_hidden = torch.load(partial / ACTIVATIONS)
@@ -390,11 +396,11 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
             layers[index] = None
             del layer, layer_calls, layer_hidden  # before the next is loaded: one layer in memory at a time
             _trim_heap()
-            _save_atomic(lambda p: save_file(result.tensors, p, metadata={"format": "pt"}),
+            checkpoint.write_atomic(lambda p: save_file(result.tensors, p, metadata={"format": "pt"}),
                          partial / LAYER_SHARD(index))
             if result.scales:
-                _save_atomic(lambda p: save_file(result.scales, p), partial / f".scales-{index:05d}.safetensors")
-            _save_atomic(lambda p: torch.save((hidden, float_hidden), p), partial / ACTIVATIONS)
+                checkpoint.write_atomic(lambda p: save_file(result.scales, p), partial / SCALES_SHARD(index))
+            checkpoint.write_atomic(lambda p: torch.save((hidden, float_hidden), p), partial / ACTIVATIONS)
             progress["layers_done"] = index + 1
             progress["experts_on_fallback"] += result.experts_on_fallback
             progress["layers"].append({**{k: round(v, 2) for k, v in result.seconds.items()},
@@ -406,9 +412,15 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
                                        **({"peak_gpu_gib": round(torch.cuda.max_memory_allocated(target) / 2**30, 3)}
                                           if target.type == "cuda" else {}),
                                        **({"block_tuning": result.tuning.to_json()} if result.tuning else {})})
-            _save_atomic(lambda p: p.write_text(json.dumps(progress)), partial / PROGRESS)
+            checkpoint.write_atomic(lambda p: p.write_text(json.dumps(progress)), partial / PROGRESS)
             bar.set_postfix_str(f"peak RSS {peak_rss_gib():.1f} GiB")
             result = None  # its tensors, written
+        if end_to_end.epochs and "end_to_end" not in progress:
+            started = time.perf_counter()
+            progress["end_to_end"] = tune_end_to_end(src, source, partial, config, zero_centred, end_to_end, target,
+                                                     windows, float_hidden if float_hidden is not None else hidden)
+            progress["end_to_end"]["seconds"] = round(time.perf_counter() - started, 2)
+            checkpoint.write_atomic(lambda p: p.write_text(json.dumps(progress)), partial / PROGRESS)
         _finish(source, partial, model_config, config, rounding, tune_config, progress, len(layers),
                 calibration_record(calibration_text, calibration_tokens, progress["experts_on_fallback"]),
                 every_expert)
@@ -419,6 +431,43 @@ def convert_layers(src: Path, dst: Path, config: A3BConfig, calibration_text: Pa
           f"error-compensating on their own tokens; peak RSS "
           f"{report['peak_rss_gib']:.2f} GiB; {report['seconds_per_layer']:.1f} s per layer ({REPORT})")
     return dst
+
+
+def final_head(src: Path, source: Source, device: torch.device) -> stream_tune.Head:
+    """The model's final norm and lm_head (the embedding where they are tied), read from the source."""
+    model = skeleton(src)
+    norm, lm_head = model.get_decoder().norm, model.get_output_embeddings()
+    names = {module: name for name, module in model.named_modules()}
+    stored = {name: source.layout.checkpoint(name) + ".weight" for name in (names[norm], names[lm_head])}
+    if stored[names[lm_head]] not in source.shard_of:  # tied
+        stored[names[lm_head]] = source.layout.checkpoint(names[model.get_input_embeddings()]) + ".weight"
+    for module in (norm, lm_head):
+        module.to_empty(device=device)
+        module.weight.data = source.read(stored[names[module]]).float().to(device)
+    return lambda hidden: lm_head(norm(hidden))
+
+
+def tune_end_to_end(src: Path, source: Source, partial: Path, config: A3BConfig, zero_centred: bool,
+                    end_to_end: TuneConfig, device: torch.device, windows: list[torch.Tensor],
+                    teacher_hidden: list[torch.Tensor]) -> dict:
+    """The converted layers' metadata and AWQ norms tuned end to end (quant/stream_tune.py), one layer
+    built at a time; the tuned shards and scales are written beside the untuned ones, which _finish
+    replaces with them. -> what the checkpoint's config records of it."""
+    embedded, calls, meta_layers = layer_inputs(skeleton(src), source, windows)
+
+    def scales(index: int) -> dict[str, torch.Tensor]:
+        path = partial / SCALES_SHARD(index)
+        return load_file(path) if path.exists() else {}
+
+    layers = stream_tune.ConvertedLayers(load_layer, lambda i: partial / LAYER_SHARD(i), meta_layers, source.layout,
+                                         config, zero_centred, scales, end_to_end, device)
+    with device if device.type != "cpu" else contextlib.nullcontext():
+        tuned = stream_tune.tune_layers(layers, embedded, [on_device(c, device) for c in calls], teacher_hidden,
+                                        final_head(src, source, device), end_to_end, partial / stream_tune.STATE)
+    if tuned.best_step:
+        stream_tune.write_tuned(layers, source.read, lambda i: partial / TUNED_SHARD(i),
+                                lambda i: partial / TUNED_SCALES(i))
+    return {"epochs": end_to_end.epochs, **tuned.to_json()}
 
 
 def rest_groups(source: Source, limit: int = REST_SHARD_BYTES) -> list[list[str]]:
@@ -443,6 +492,9 @@ def _finish(source: Source, partial: Path, model_config: dict, config: A3BConfig
         save_file({name: source.read(name) for name in names},
                   partial / SHARD_NAME(layers + group_index + 1, shards), metadata={"format": "pt"})
     for index in range(layers):  # named once the count of the rest's shards is known
+        for tuned, untuned in ((TUNED_SHARD(index), LAYER_SHARD(index)), (TUNED_SCALES(index), SCALES_SHARD(index))):
+            if (partial / tuned).exists():
+                os.replace(partial / tuned, partial / untuned)
         if (partial / LAYER_SHARD(index)).exists():
             (partial / LAYER_SHARD(index)).rename(partial / SHARD_NAME(index + 1, shards))
     weight_map = {}
@@ -453,13 +505,16 @@ def _finish(source: Source, partial: Path, model_config: dict, config: A3BConfig
     (partial / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     scales: dict[str, dict[str, torch.Tensor]] = {"scale": {}, "row_divisor": {}}
-    for part in sorted(partial.glob(".scales-*.safetensors")):
+    for part in sorted(partial.glob(".scales-*.safetensors")):  # the tuned ones are in their place by now
         for key, tensor in load_file(part).items():
             field, module = key.split(":", 1)
             scales[field][module] = tensor
         part.unlink()
     write_side_files(source.path, partial, model_config,
-                     quantization_config(config, rounding, 0, calibration, pipeline="layers",
+                     quantization_config(config, rounding, progress.get("end_to_end", {}).get("epochs", 0),
+                                         calibration, pipeline="layers",
+                                         **({"end_to_end_tuning": progress["end_to_end"]}
+                                            if "end_to_end" in progress else {}),
                                          **({"tuning": tuning_record(tune_config, progress["layers"])}
                                             if tune_config.steps else {}),
                                          **({"expert_statistics": "every token"} if every_expert else {})), scales)
@@ -471,7 +526,7 @@ def _finish(source: Source, partial: Path, model_config: dict, config: A3BConfig
         **{key: sum(d[key] for d in done) for key in ("expert_projections", "expert_projections_compensated")},
         "peak_rss_gib": round(peak_rss_gib(), 3), "seconds_per_layer": sum(d["total"] for d in done) / len(done),
         "per_layer": done}, indent=1))
-    for leftover in (PROGRESS, ACTIVATIONS):
+    for leftover in (PROGRESS, ACTIVATIONS, stream_tune.STATE):
         with contextlib.suppress(FileNotFoundError):
             (partial / leftover).unlink()
 

@@ -44,9 +44,10 @@ class TunedLinear(torch.nn.Module):
 
     def __init__(self, weight: A3BWeight, config: A3BConfig, block_codes: bool):
         super().__init__()
-        codes = unpack_codes(weight.packed)[:, :weight.in_features]
-        self.register_buffer("level", (codes >> 1).to(torch.int8))
-        self.register_buffer("sign", ((codes & 1).to(torch.int8) * 2 - 1))
+        # the 4-bit codes stay packed (half a byte a weight): the layer pipeline keeps every layer's
+        # TunedLinears in memory between uses (quant/stream_tune.py)
+        self.register_buffer("packed", weight.packed)
+        self.in_features = weight.in_features
         for kind in CODE_RANGES:
             self.register_buffer(f"{kind}_code", getattr(weight, kind).float())
         self.register_buffer("fitted", torch.stack([weight.lo_scale.float(), weight.step_scale.float()]))
@@ -68,12 +69,14 @@ class TunedLinear(torch.nn.Module):
         lo_scale, step_scale = self.scales()
         lo, step = lo_q * lo_scale[:, None], step_q * step_scale[:, None]
         rows, cols = self.block
-        out, inp = self.level.shape
+        codes = unpack_codes(self.packed)[:, :self.in_features]
+        level, sign = (codes >> 1).float(), (codes & 1).float() * 2 - 1
+        out, inp = level.shape
 
         def per_weight(t: torch.Tensor) -> torch.Tensor:
             return t.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:out, :inp]
 
-        return per_weight(lo) + self.level * per_weight(step) + self.sign * per_weight(step * delta_q / 255)
+        return per_weight(lo) + level * per_weight(step) + sign * per_weight(step * delta_q / 255)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight())

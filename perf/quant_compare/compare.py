@@ -10,6 +10,8 @@ Variants (checkpoints under models/quant_compare/, built once, with progress):
   A3B, no tuning  the same with --tune-epochs 0 (no end-to-end metadata tuning)
   A3B, layer pipeline  the same rounding by --pipeline layers (one decoder layer at a
                   time, quantized outputs passed on, no tuning: its default)
+  A3B, layer pipeline, tuned end to end  the same with --tune-epochs 1 (the whole-model
+                  pipeline's end-to-end tune, run one layer at a time: quant/stream_tune.py)
   A3B, layer pipeline, tuned block-wise  the same with --tune-steps TUNE_STEPS (each
                   layer's rounding and metadata tuned against its float output, AutoRound's recipe)
   A3B, nearest rounding  the same, each weight on its fitted table's nearest entry
@@ -120,6 +122,8 @@ def variants(calibration: Path) -> list[Variant]:
     return [Variant("bf16", BF16_DIR, None), a3b("A3B", "a3b-gptq", *calibrated, "--rounding", "gptq"),
             a3b("A3B, no tuning", "a3b-gptq-untuned", *calibrated, "--rounding", "gptq", "--tune-epochs", "0"),
             a3b("A3B, layer pipeline", "a3b-gptq-layers", *calibrated, "--rounding", "gptq", "--pipeline", "layers"),
+            a3b("A3B, layer pipeline, tuned end to end", "a3b-gptq-layers-end-to-end", *calibrated, "--rounding",
+                "gptq", "--pipeline", "layers", "--tune-epochs", "1"),
             a3b("A3B, layer pipeline, tuned block-wise", "a3b-gptq-layers-tuned", *calibrated, "--rounding", "gptq",
                 "--pipeline", "layers", "--tune-steps", str(TUNE_STEPS)),
             a3b("A3B, nearest rounding", "a3b", *calibrated, "--rounding", "nearest"),

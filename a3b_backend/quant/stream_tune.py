@@ -1,0 +1,276 @@
+"""End-to-end tuning in the layer pipeline's memory (`a3b-quantize --pipeline layers --tune-epochs N`).
+
+quant/tune.py fits the quantized linears' metadata and the AWQ norms' gains so that the whole
+student's next-token distribution follows the source's, with both models in memory. This runs
+the same optimisation over the converted layers' shards with one decoder layer built at a time
+(activation checkpointing at layer boundaries):
+- the teacher's distribution: the float chain's last hidden states, carried beside the quantized
+  chain through the conversion, through the final norm and lm_head;
+- a step: one calibration window forward through the layers, each built from its shard (its
+  dense linears as TunedLinears and its AWQ norms' gains, kept in memory between uses: packed
+  codes and metadata; every other tensor read again), keeping each layer's input; the KL at the
+  head; then backward from the last layer, each layer's forward recomputed from its input and the
+  gradient handed down; then one Adam step over every layer's parameters, as tune.tune takes;
+- held-out windows (every HELD_OUT_EVERY-th, not trained on) score the KL before tuning and at
+  each evaluation, and the best evaluation is kept, the untuned one included: the tuning never
+  ends worse on them than the untuned conversion.
+Resumable: the parameters, Adam's state and the best evaluation are saved at each evaluation.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch.nn.utils import parametrize
+from tqdm import tqdm
+
+from a3b_backend.quant import calibrate
+from a3b_backend.quant.block_tune import held_out_windows
+from a3b_backend.quant.checkpoint import write_atomic
+from a3b_backend.quant.convert import fold_norm_scale
+from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
+from a3b_backend.quant.names import Layout
+from a3b_backend.quant.tune import NormGain, TunedLinear, TuneConfig, _optimizer
+
+STATE = "end_to_end.pt"  # in DST.partial: the tuning's parameters, Adam's state and best evaluation so far
+EVALUATIONS_PER_EPOCH = 4
+Head = Callable[[torch.Tensor], torch.Tensor]  # final hidden states -> logits
+# sequential.load_layer: a meta decoder layer filled from a source's tensors of layer `index`
+LoadLayer = Callable[[torch.nn.Module, object, int], tuple[torch.nn.Module, set[str]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredLayer:
+    """A converted layer's shard, read as `sequential.load_layer` reads a source: A3B weights dequantized."""
+    path: Path
+    layout: Layout
+    by_layer: dict[int, list[str]]
+    tensors: dict[str, torch.Tensor]
+    config: A3BConfig
+
+    @classmethod
+    def open(cls, path: Path, layout: Layout, index: int, config: A3BConfig) -> "StoredLayer":
+        tensors = load_file(path)
+        names = [n for n in tensors if not any(n.endswith(f"_{kind}") for kind in A3B_KINDS)]
+        names += [n.removesuffix("_packed") for n in tensors if n.endswith("_packed")]
+        return cls(path, layout, {index: names}, tensors, config)
+
+    def read(self, name: str) -> torch.Tensor:
+        if name in self.tensors:
+            return self.tensors[name]
+        return dequantize(A3BWeight.from_tensors(self.tensors, name), self.config)
+
+
+A3B_KINDS = ("packed", "lo", "step", "delta", "lo_scale", "step_scale", "shape")
+
+
+@dataclasses.dataclass
+class EndToEndTuned:
+    held_out_before: float  # KL per token on the held-out windows, untuned
+    held_out_after: float  # of what is kept
+    best_step: int  # 0: no evaluation beat the untuned conversion, which is kept
+    steps: int
+    history: list[tuple[int, float]]
+
+    def to_json(self) -> dict:
+        return {"method": "end-to-end, layer by layer", "steps": self.steps,
+                "held_out_kl": [round(self.held_out_before, 6), round(self.held_out_after, 6)],
+                "best_step": self.best_step, "kept_untuned": self.best_step == 0,
+                "history": [[step, round(kl, 6)] for step, kl in self.history]}
+
+
+class ConvertedLayers:
+    """The converted layers, built one at a time from their shards, with the tuned parameters
+    (TunedLinears, NormGains) made on first use and kept."""
+
+    def __init__(self, load_layer: LoadLayer, shard_of: Callable[[int], Path], meta_layers: list[torch.nn.Module],
+                 layout: Layout, config: A3BConfig, zero_centred: bool,
+                 scales: Callable[[int], dict[str, torch.Tensor]], tune_config: TuneConfig, device: torch.device):
+        self.load_layer, self.shard_of, self.meta, self.layout, self.config = (load_layer, shard_of, meta_layers,
+                                                                               layout, config)
+        self.zero_centred, self.scales, self.tune_config, self.device = zero_centred, scales, tune_config, device
+        self.linears: dict[int, dict[str, TunedLinear]] = {}  # per layer, by module name within it
+        self.gains: dict[int, dict[str, NormGain]] = {}
+
+    def __len__(self) -> int:
+        return len(self.meta)
+
+    def build(self, index: int) -> torch.nn.Module:
+        prefix = f"model.layers.{index}."
+        stored = StoredLayer.open(self.shard_of(index), self.layout, index, self.config)
+        layer, _ = self.load_layer(copy.deepcopy(self.meta[index]), stored, index)
+        if index not in self.linears:
+            self._make_trainables(index, layer, stored, prefix)
+        for name, linear in self.linears[index].items():
+            parent, _, attr = name.rpartition(".")
+            setattr(layer.get_submodule(parent), attr, linear)
+        for norm, gain in self.gains[index].items():
+            parametrize.register_parametrization(layer.get_submodule(norm), "weight", gain)
+        return layer.to(self.device)
+
+    def _make_trainables(self, index: int, layer: torch.nn.Module, stored: StoredLayer, prefix: str) -> None:
+        dense = calibrate.quantized_linears(layer, prefix)
+        self.linears[index] = {
+            name: TunedLinear(A3BWeight.from_tensors(stored.tensors, self._checkpoint(prefix + name)), self.config,
+                              self.tune_config.block_codes_lr > 0).to(self.device) for name in dense}
+        scaled = {key.split(":", 1)[1] for key in self.scales(index) if key.startswith("scale:")}
+        norms = [norm for norm, members in calibrate.groups([prefix + n for n in dense]).items()
+                 if all(m in scaled for m in members)]
+        self.gains[index] = {norm.removeprefix(prefix): NormGain(layer.get_submodule(norm.removeprefix(prefix))
+                                                                 .weight.numel(), self.zero_centred).to(self.device)
+                             for norm in norms}
+
+    def _checkpoint(self, module: str) -> str:
+        return self.layout.checkpoint(module) + ".weight"
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for index in sorted(self.linears) for m in (*self.linears[index].values(),
+                                                              *self.gains[index].values()) for p in m.parameters()]
+
+    def tuned_tensors(self, index: int, read_source: Callable[[str], torch.Tensor]
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Layer `index`'s shard and its folded scales as tuned: each TunedLinear's stored metadata;
+        each gained norm folded from the source's weight (`read_source`, by checkpoint name) with
+        its AWQ scale over its gain, the scale its linears record for the LoRA fold likewise."""
+        prefix = f"model.layers.{index}."
+        tensors, scales = load_file(self.shard_of(index)), dict(self.scales(index))
+        for name, linear in self.linears[index].items():
+            checkpoint = self._checkpoint(prefix + name)
+            tensors.update(linear.cpu().stored(A3BWeight.from_tensors(tensors, checkpoint)).tensors(checkpoint))
+        members = calibrate.groups([prefix + n for n in self.linears[index]])
+        for norm, gain in self.gains[index].items():
+            factor = gain.log_gain.detach().cpu().exp()
+            scale = scales[f"scale:{members[prefix + norm][0]}"] / factor
+            for member in members[prefix + norm]:
+                scales[f"scale:{member}"] = scale
+            checkpoint = self._checkpoint(prefix + norm)
+            tensors[checkpoint] = fold_norm_scale(read_source(checkpoint), scale, self.zero_centred)
+        return tensors, scales
+
+
+def _layer_output(out: torch.Tensor | tuple) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) per token, as tune.tune measures it."""
+    return torch.nn.functional.kl_div(student_logits.float().log_softmax(-1), teacher_logits.float().log_softmax(-1),
+                                      log_target=True, reduction="sum") / student_logits[..., 0].numel()
+
+
+def tune_layers(layers: ConvertedLayers, embedded: list[torch.Tensor], calls: list[list[tuple[tuple, dict]]],
+                teacher_hidden: list[torch.Tensor], head: Head, tune_config: TuneConfig, state_path: Path
+                ) -> EndToEndTuned:
+    """Tunes `layers`' parameters so the student, window i's embedding through every layer
+    (`calls[layer][i]`: its other arguments) and `head`, follows `head(teacher_hidden[i])`."""
+    device = layers.device
+    held_out = held_out_windows(len(embedded))
+    train = [i for i in range(len(embedded)) if i not in set(held_out)] or list(range(len(embedded)))
+    held_out = held_out or train
+    steps = tune_config.epochs * len(train)
+    evaluate_every = max(1, len(train) // EVALUATIONS_PER_EPOCH)
+
+    def teacher_logits(i: int) -> torch.Tensor:
+        with torch.no_grad():
+            return head(teacher_hidden[i].to(device))
+
+    def forward(i: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Window i through every layer, without gradients: each layer's input, and the last output."""
+        inputs, hidden = [], embedded[i].to(device)
+        with torch.no_grad():
+            for index in range(len(layers)):
+                args, kwargs = calls[index][i]
+                inputs.append(hidden)
+                hidden = _layer_output(layers.build(index)(hidden, *args, **kwargs))
+        return inputs, hidden
+
+    def evaluate() -> float:
+        total = 0.0
+        for i in held_out:
+            _, hidden = forward(i)
+            with torch.no_grad():
+                total += float(_kl(head(hidden), teacher_logits(i)))
+        return total / len(held_out)
+
+    def train_step(i: int) -> float:
+        inputs, hidden = forward(i)
+        hidden = hidden.detach().requires_grad_(True)
+        loss = _kl(head(hidden), teacher_logits(i))
+        loss.backward()
+        grad = hidden.grad
+        for index in reversed(range(len(layers))):
+            args, kwargs = calls[index][i]
+            x = inputs[index].detach().requires_grad_(index > 0)
+            out = _layer_output(layers.build(index)(x, *args, **kwargs))
+            if out.requires_grad:
+                out.backward(grad)
+            grad = x.grad if index > 0 else None
+        return float(loss.detach())
+
+    for index in range(len(layers)):  # the trainables made before the optimizer takes them
+        layers.build(index)
+    params = layers.parameters()
+    optimizer, schedule = _optimizer_over(params, layers, tune_config, steps)
+    if state_path.exists():
+        state = torch.load(state_path)
+        _load_values(params, state["params"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        done, history, best = state["step"], state["history"], state["best"]
+        print(f"resuming the end-to-end tuning at step {done} of {steps}")
+    else:
+        done, history = 0, [(0, evaluate())]
+        best = {"step": 0, "kl": history[0][1], "params": _values(params)}
+    with tqdm(range(done, steps), desc="tuning end to end, layer by layer", unit="window", initial=done,
+              total=steps) as bar:
+        for step in bar:
+            optimizer.zero_grad()
+            loss = train_step(train[step % len(train)])
+            optimizer.step()
+            schedule.step()
+            bar.set_postfix(kl=f"{loss:.4f}", held_out=f"{history[-1][1]:.4f}")
+            if (step + 1) % evaluate_every == 0 or step + 1 == steps:
+                history.append((step + 1, evaluate()))
+                if history[-1][1] < best["kl"]:
+                    best = {"step": step + 1, "kl": history[-1][1], "params": _values(params)}
+                state = {"params": _values(params), "optimizer": optimizer.state_dict(),
+                              "schedule": schedule.state_dict(), "step": step + 1, "history": history,
+                              "best": best}
+                write_atomic(lambda p: torch.save(state, p), state_path)
+    _load_values(params, best["params"])
+    return EndToEndTuned(history[0][1], best["kl"], best["step"], steps, history)
+
+
+def _optimizer_over(params, layers: ConvertedLayers, tune_config: TuneConfig, steps: int):
+    linears = {f"{i}:{n}": m for i, by_name in layers.linears.items() for n, m in by_name.items()}
+    gains = {f"{i}:{n}": m for i, by_name in layers.gains.items() for n, m in by_name.items()}
+    return _optimizer(linears, gains, tune_config, steps)
+
+
+def _values(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    return [p.detach().cpu().clone() for p in params]
+
+
+def _load_values(params: list[torch.nn.Parameter], values: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p, value in zip(params, values, strict=True):
+            p.copy_(value)
+
+
+def write_tuned(layers: ConvertedLayers, read_source: Callable[[str], torch.Tensor],
+                tuned_shard_of: Callable[[int], Path], tuned_scales_of: Callable[[int], Path]) -> None:
+    """Each layer's tuned shard and folded scales beside its untuned ones (which the tuning reads
+    and a resumed run reads again), written once."""
+    for index in range(len(layers)):
+        if tuned_shard_of(index).exists():
+            continue
+        tensors, scales = layers.tuned_tensors(index, read_source)
+        if scales:
+            # clones: a norm's linears share its scale, and safetensors refuses shared storage
+            write_atomic(lambda p: save_file({k: v.clone() for k, v in scales.items()}, p), tuned_scales_of(index))
+        write_atomic(lambda p: save_file(tensors, p, metadata={"format": "pt"}), tuned_shard_of(index))
+
