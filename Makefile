@@ -10,7 +10,7 @@ ifeq ($(origin PROFILE),command line)
 $(error PROFILE=$(PROFILE) is not read: name the profile with A3B_PROFILE=$(PROFILE), as make serve does)
 endif
 
-.PHONY: setup model model-qwen serve test test-distributed test-slow test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust locust-rag bench-overload bench-serving-path bench-entry-points bench-serving-cpu bench-overhead bench-overhead-goal overhead-runs bench-prefix-cache bench-long-context bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu gpu-check gpu-check-dry-run profile-gpu kv-report quality quant-tools compare-quant compare-quant-a3b bench-convert-scale bench-qwen-fidelity bench-calibration-budget bench-block-tune bench-end-to-end-tune answer-margins clean
+.PHONY: setup model model-qwen serve test test-distributed test-slow test-unit render perf-tools need-venv perf perf-inputs genai-perf aiperf locust locust-rag bench-overload bench-serving-path bench-entry-points bench-serving-cpu bench-overhead bench-overhead-goal overhead-runs bench-prefix-cache bench-long-context bench-shutdown bench-cpu-modes bench-cpu-linear bench-a3b bench-gpu gpu-check gpu-check-dry-run profile-gpu kv-report kernel-report quality quant-tools compare-quant compare-quant-a3b bench-convert-scale bench-qwen-fidelity bench-calibration-budget bench-block-tune bench-end-to-end-tune answer-margins clean
 
 setup:
 	bash scripts/setup.sh
@@ -219,6 +219,12 @@ bench-end-to-end-tune: setup model
 # outlier RMSNorm channels: excess NLL on sequences it samples (perf/results/qwen_fidelity/)
 bench-qwen-fidelity: setup model-qwen
 	$(PY) perf/qwen_fidelity.py
+
+# The Triton kernels compiled for sm_90a and sm_80 under Triton 3.6 and the venv's, read from their cubins:
+# registers, spills, main-loop instructions and load widths, occupancy and waves at Qwen3.6's shapes;
+# static, no GPU (perf/results/kernels_static/)
+kernel-report: setup
+	env -u TRITON_INTERPRET $(PY) perf/kernel_report.py
 
 # A3B kernels on a CUDA GPU: checks against the references, then timings (perf/results/gpu/)
 bench-gpu:

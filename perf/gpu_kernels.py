@@ -176,6 +176,9 @@ def checks(plan: Plan, cuda_ext: bool) -> list[tuple[str, float, bool]]:
         x = torch.randn(m, hidden, generator=g).to(torch.bfloat16)
         expected = reference.a3b_matmul(x, q, config)
         record(f"triton a3b_matmul M={m}", a3b_matmul.a3b_matmul(x.to(dev), q.to(dev), config), expected, 1e-3)
+        if m == 1:  # the default is the GEMV without a table; the table kernel's M=1 launch beside it
+            record("triton a3b_matmul M=1, table", a3b_matmul.a3b_matmul(
+                x.to(dev), q.to(dev), config, launch=a3b_matmul.launch_for(1)), expected, 1e-3)
         if cuda_ext and m <= 16:
             from a3b_kernels import cuda
 
@@ -273,6 +276,10 @@ def time_linear(plan: Plan, cuda_ext: bool) -> tuple[list[Timing], list[str]]:
                     n * k // 2 + k // 128 * n * 4 + act))
             rows.append(Timing("linear", case, "A3B Triton", time_us(
                 plan, lambda i: a3b_matmul.a3b_matmul(x, a3b[i % len(a3b)], config)), a3b_bytes + act))
+            if m == 1:  # "A3B Triton" is the GEMV without a table here: the table kernel's M=1 launch beside it
+                rows.append(Timing("linear", case, "A3B Triton, table", time_us(
+                    plan, lambda i: a3b_matmul.a3b_matmul(x, a3b[i % len(a3b)], config,
+                                                          launch=a3b_matmul.launch_for(1))), a3b_bytes + act))
             if cuda_ext and m <= 16:
                 from a3b_kernels import cuda
 

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 from a3b_backend.quant.format import A3BConfig, A3BWeight, quantize, stack  # noqa: E402
 from a3b_kernels import reference  # noqa: E402
 from a3b_kernels.occupancy import splits_to_fill  # noqa: E402
-from a3b_kernels.triton import a3b_matmul, a3b_moe  # noqa: E402
+from a3b_kernels.triton import a3b_gemv, a3b_matmul, a3b_moe  # noqa: E402
 
 CONFIG = A3BConfig(1, 128, iterations=2)
 
@@ -148,3 +148,14 @@ def test_vllm_a3b_gpu_path_runs_the_triton_kernels():
     # bf16 steps of the largest output.
     torch.testing.assert_close(a3b_method.gpu_moe(x, w13, w2, weights, ids, CONFIG.block_cols), expected,
                                rtol=1e-3, atol=2**-7 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("n, k", [(64, 256), (96, 384), (40, 200), (130, 1024)])
+@pytest.mark.parametrize("split_k", [None, 1, 3], ids=["default", "stored", "split-k"])
+def test_triton_a3b_gemv_without_a_table_matches_reference(n, k, split_k):
+    x, q = case(1, n, k, seed=torch.seed() % 2**31)
+    expected = reference.a3b_matmul(x, q, CONFIG)
+    got = torch.full_like(expected, float("nan"))  # poisoned: a row the kernel skips cannot pass
+    a3b_gemv.a3b_gemv(x, q, CONFIG, out=got, split_k=split_k)
+    assert not got.isnan().any()
+    assert_matches(got, expected, torch.float32)

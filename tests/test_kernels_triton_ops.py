@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from a3b_backend.quant.format import KERNEL_KINDS, A3BConfig, quantize, stack, stored_tensors  # noqa: E402
 from a3b_kernels.reference import random_weight  # noqa: E402
-from a3b_kernels.triton import a3b_matmul, a3b_moe, ops  # noqa: E402
+from a3b_kernels.triton import a3b_gemv, a3b_matmul, a3b_moe, ops  # noqa: E402
 
 CONFIG = A3BConfig(1, 128, iterations=1)
 QWEN = dict(experts=256, hidden=2048, intermediate=512, top_k=8)
@@ -38,10 +38,11 @@ def test_the_ops_pass_opcheck():
 
 def test_a_compiled_graph_chooses_the_launch_from_the_run_time_rows(monkeypatch):
     """Traced at M=64 as vLLM compiles (fullgraph, dynamic batch, guards dropped), called at M=1 and
-    M=8: each call gets its own M's launch, not the trace's."""
+    M=8: each call gets its own M's launch, not the trace's (one row: the GEMV without a table)."""
     chosen = []
-    real = a3b_matmul.launch_for
+    real, real_gemv = a3b_matmul.launch_for, a3b_matmul.a3b_gemv
     monkeypatch.setattr(a3b_matmul, "launch_for", lambda m: chosen.append(m) or real(m))
+    monkeypatch.setattr(a3b_matmul, "a3b_gemv", lambda x, *args: chosen.append("gemv") or real_gemv(x, *args))
     q = weight(64, 256)
 
     def layer(x: torch.Tensor) -> torch.Tensor:
@@ -52,8 +53,8 @@ def test_a_compiled_graph_chooses_the_launch_from_the_run_time_rows(monkeypatch)
     for m in (64, 1, 8):
         x = torch.randn(m, 256)
         torch.testing.assert_close(compiled(x), layer(x))
-    assert chosen[::2] == [64, 1, 8]  # the compiled call, then the eager reference, per M
-    assert [real(m).block_m for m in chosen[::2]] == [64, 1, 16]
+    assert chosen[::2] == [64, "gemv", 8]  # the compiled call, then the eager reference, per M
+    assert [real(m).block_m for m in (64, 8)] == [64, 16]
 
 
 class NoLaunch:
@@ -85,6 +86,7 @@ def test_the_moe_host_code_runs_on_fake_tensors_at_qwen_shapes(monkeypatch, toke
 @pytest.mark.parametrize("shape", [(12288, 2048), (2048, 4096), (1024, 2048)])
 def test_the_linear_host_code_runs_on_fake_tensors_at_qwen_shapes(monkeypatch, rows, shape):
     monkeypatch.setattr(a3b_matmul, "_a3b_matmul_kernel", NoLaunch())
+    monkeypatch.setattr(a3b_gemv, "_a3b_gemv_kernel", NoLaunch())
     out, inp = shape
     with FakeTensorMode():
         tensors = {kind: torch.empty(spec.shape, dtype=spec.dtype)

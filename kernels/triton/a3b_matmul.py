@@ -23,6 +23,8 @@ import triton.language as tl
 
 from a3b_backend.quant.format import A3BConfig, A3BWeight
 from a3b_kernels.occupancy import splits_to_fill
+from a3b_kernels.triton.a3b_gemv import a3b_gemv
+from a3b_kernels.triton.codes import code_args, split8
 
 DECODE_ROWS = 16  # up to this many rows a call is bound by reading the weight
 FP16_MAX = tl.constexpr(65504.0)
@@ -93,19 +95,6 @@ def word_values(word, lo, step, d):
 
 
 @triton.jit
-def split8(x, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """[ROWS, COLS] -> 8 tiles [ROWS, COLS / 8], tile j holding columns 8i + j."""
-    x0246, x1357 = tl.split(tl.reshape(x, (ROWS, COLS // 8, 2, 2, 2)))
-    x04, x26 = tl.split(x0246)
-    x15, x37 = tl.split(x1357)
-    x0, x4 = tl.split(x04)
-    x2, x6 = tl.split(x26)
-    x1, x5 = tl.split(x15)
-    x3, x7 = tl.split(x37)
-    return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
 def a3b_accumulate(x_ptr, x_rows, row_ok, words_ptr, word_stride, row_words, lo_ptr, step_ptr, delta_ptr,
                    lo_scale_ptr, step_scale_ptr, cols, col_ok, K, n_kblocks, kb_start, kb_end,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
@@ -167,27 +156,20 @@ def _a3b_matmul_kernel(x_ptr, words_ptr, word_stride, row_words, lo_ptr, step_pt
         tl.atomic_add(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=mask)
 
 
-def code_args(q: A3BWeight) -> tuple:
-    """The codes as the kernels take them: 32-bit words (8 codes each), their
-    row stride and the words of codes per row."""
-    if q.packed.shape[-1] % 4:
-        raise ValueError(f"the Triton A3B kernels read codes as 32-bit words: in_features must be a multiple of 8, "
-                         f"not {2 * q.packed.shape[-1]}")
-    words = q.packed.view(torch.int32)
-    return words, words.stride(-2), words.shape[-1]
-
-
 def a3b_matmul(x: torch.Tensor, q: A3BWeight, config: A3BConfig, out: torch.Tensor | None = None,
                launch: Launch | None = None, split_k: int | None = None) -> torch.Tensor:
     """float32 y[M, N] (into `out` when given). Needs 1 x C blocks (the format's
     default), C a power of two. Decode-sized calls (M <= 16) are bound by
     reading the weight: they split K over more programs (partial sums added
-    atomically) until the GPU is full. `launch` (default `launch_for(M)`) and
-    `split_k` override."""
+    atomically) until the GPU is full. One row of x goes to the decode GEMV
+    without a table (a3b_gemv.py) unless a `launch` is given; `launch` (default
+    `launch_for(M)`) and `split_k` override."""
     if config.block_rows != 1:
         raise ValueError(f"the Triton A3B kernel reads 1xC blocks, not {config.block_rows}x{config.block_cols}")
     # from shapes, never from q.shape's values: no host read (FakeTensorMode, CUDA graphs)
     M, K = x.shape
+    if M == 1 and launch is None:
+        return a3b_gemv(x, q, config, out, split_k)
     N = q.packed.shape[0]
     launch = launch or launch_for(M)
     n_kblocks = q.lo.shape[1]

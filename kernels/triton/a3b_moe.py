@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from a3b_backend.quant.format import A3BWeight
-from a3b_kernels.triton.a3b_matmul import a3b_accumulate, code_args
+from a3b_kernels.triton.a3b_matmul import a3b_accumulate
+from a3b_kernels.triton.codes import code_args
 
 
 @triton.jit
