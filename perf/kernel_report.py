@@ -39,7 +39,7 @@ OUT = PROJECT_ROOT / "perf" / "results" / "kernels_static"
 TRITON_36 = PROJECT_ROOT / ".venv" / "triton-3.6"
 GPU_RESULTS = PROJECT_ROOT / "perf" / "results" / "gpu" / "gpu_kernels.json"
 SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
-GOAL_REGISTERS = {"matmul": 96, "moe": 96, "kv decode": 128}
+GOAL_REGISTERS = {"gemv": 96, "matmul": 96, "moe": 96, "kv decode": 128}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,17 +174,25 @@ def launches(shapes: dict[str, tuple[int, int]]) -> list[dict]:
     """Each launch the dispatchers choose at these shapes: its build, programs and bytes."""
     from a3b_kernels.kv_cache import GROUP as KV_GROUP
     from a3b_kernels.occupancy import splits_to_fill
+    from a3b_kernels.triton import a3b_gemv
     from a3b_kernels.triton.a3b_matmul import DECODE_ROWS, launch_for
     from a3b_kernels.triton.aot import KV_HEAD_DIM, KV_PAGE
 
     out = []
     dense = {name: nk for name, nk in shapes.items() if "experts" not in name} | {"8192x8192": (8192, 8192)}
-    for (name, (n, k)), m in itertools.product(dense.items(), (1, 4, 16)):
+    for name, (n, k) in dense.items():  # one row of x: the GEMV without a table, a3b_matmul's default
+        split = splits_to_fill(math.ceil(n / a3b_gemv.BLOCK_N), math.ceil(k / 128), a3b_gemv.PER_SM)
+        out.append({"kernel": "gemv", "case": f"{name} {n}x{k} M=1", "build": f"gemv 1x128 split_k={4 if split > 1 else 1}",
+                    "values": {"word_stride": k // 8, "row_words": k // 8, "N": n, "K": k,
+                               "n_kblocks": math.ceil(k / 128), "nibble_mask": a3b_gemv.NIBBLE_AT_TOP,
+                               "bit_mask": a3b_gemv.BIT_AT_TOP, "one": a3b_gemv.FLOAT_ONE},
+                    "programs": math.ceil(n / a3b_gemv.BLOCK_N) * split, "bytes": a3b_bytes(n, k) + 2 * k + 4 * n})
+    for (name, (n, k)), m in itertools.product(dense.items(), (1, 4, 16)):  # M=1: the table kernel's launch
         launch = launch_for(m)
         tiles = math.ceil(m / launch.block_m) * math.ceil(n / launch.block_n)
         split = 1 if launch.per_sm is None else splits_to_fill(tiles, math.ceil(k / 128), launch.per_sm)
         rows = 1 if m == 1 else 8 if m <= DECODE_ROWS else 64
-        out.append({"kernel": "matmul", "case": f"{name} {n}x{k} M={m}",
+        out.append({"kernel": "matmul", "case": f"{name} {n}x{k} M={m}" + (", table (launch=)" if m == 1 else ""),
                     "build": f"matmul 1x128 M={rows} split_k={4 if split > 1 else 1}",
                     "values": {"word_stride": k // 8, "row_words": k // 8, "M": m, "N": n, "K": k,
                                "n_kblocks": math.ceil(k / 128)},
@@ -223,7 +231,9 @@ def launch_rows(builds: list[dict], launch_list: list[dict], copy_gbps: float) -
 
 
 def arguments(values: dict[str, int]) -> str:
-    return " ".join(f"{name}={value}" for name, value in values.items() if name not in ("word_stride", "row_words"))
+    """A launch's shape arguments (not the strides and bit masks they imply)."""
+    return " ".join(f"{name}={value}" for name, value in values.items()
+                    if name not in ("word_stride", "row_words", "nibble_mask", "bit_mask", "one"))
 
 
 def markdown(builds: list[dict], launch_list: list[dict], copy_gbps: float, versions: list[str]) -> str:
@@ -265,14 +275,17 @@ def markdown(builds: list[dict], launch_list: list[dict], copy_gbps: float, vers
         kind = next((k for k in GOAL_REGISTERS if b["build"].startswith(k)), None)
         if kind is None:
             continue
+        # the codes in 16-byte loads, and x in nothing narrower than 32 bits (the block bytes are 8-bit)
         loads = (b["main_loop"] or {}).get("global_loads", {})
-        wide = all(w.endswith("128-bit") for w in loads) if loads else False
+        widths = {int(w.split()[-1].removesuffix("-bit")) for w in loads}
+        wide = 128 in widths and not widths & {16, 32, 64}
         per = b.get("instructions_per_unit")
         met = b["registers"] <= GOAL_REGISTERS[kind] and b["local"] == 0 and wide and (
             kind == "kv decode" or (per is not None and per <= 5))
         lines.append(f"- {b['build']} ({arguments(b['values'])}): {b['registers']} registers "
                      f"(goal <= {GOAL_REGISTERS[kind]}), spills "
-                     f"{b['local']} B, loop loads {'all' if wide else 'not all'} 128-bit"
+                     f"{b['local']} B, loop loads {', '.join(sorted(loads)) or 'none'} "
+                     f"({'codes 128-bit, x wide' if wide else 'not the codes in 128 bits and x in 32 or more'})"
                      + (f", {per} instructions per weight (goal <= 5)" if kind != "kv decode" else "")
                      + f": {'met' if met else 'MISSED'}")
     return "\n".join(lines + ["", "![registers](registers.png)", ""])

@@ -208,15 +208,10 @@ def check_device(device: str) -> torch.device:
     return chosen
 
 
-def _output(out: torch.Tensor | tuple) -> torch.Tensor:
-    """A decoder layer's hidden states, whichever form its forward returns."""
-    return out[0] if isinstance(out, tuple) else out
-
-
 @torch.no_grad()
 def run_layer(layer: torch.nn.Module, hidden: list[torch.Tensor], calls: list[tuple[tuple, dict]]
               ) -> list[torch.Tensor]:
-    return [_output(layer(h, *args, **kwargs)) for h, (args, kwargs) in zip(hidden, calls)]
+    return [stream_tune.layer_output(layer(h, *args, **kwargs)) for h, (args, kwargs) in zip(hidden, calls)]
 
 
 @dataclasses.dataclass
@@ -294,7 +289,7 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
 
         def run_window(i: int) -> torch.Tensor:
             args, kwargs = calls[i]
-            return _output(layer(hidden[i], *args, **kwargs))
+            return stream_tune.layer_output(layer(hidden[i], *args, **kwargs))
 
         tuned = tune_block(layer, dense, floats, config, run_window, float_outputs, folds, tune_config, index)
         for name, q in tuned.weights.items():  # the linears back in their place, with the tuned values

@@ -34,7 +34,7 @@ from a3b_backend.quant.checkpoint import write_atomic
 from a3b_backend.quant.convert import fold_norm_scale
 from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
 from a3b_backend.quant.names import Layout
-from a3b_backend.quant.tune import NormGain, TunedLinear, TuneConfig, _optimizer
+from a3b_backend.quant.tune import NormGain, TunedLinear, TuneConfig, kl_per_token, make_optimizer
 
 STATE = "end_to_end.pt"  # in DST.partial: the tuning's parameters, Adam's state and best evaluation so far
 EVALUATIONS_PER_EPOCH = 4
@@ -152,14 +152,9 @@ class ConvertedLayers:
         return tensors, scales
 
 
-def _layer_output(out: torch.Tensor | tuple) -> torch.Tensor:
+def layer_output(out: torch.Tensor | tuple) -> torch.Tensor:
+    """A decoder layer's hidden states, whichever form its forward returns."""
     return out[0] if isinstance(out, tuple) else out
-
-
-def _kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """KL(teacher || student) per token, as tune.tune measures it."""
-    return torch.nn.functional.kl_div(student_logits.float().log_softmax(-1), teacher_logits.float().log_softmax(-1),
-                                      log_target=True, reduction="sum") / student_logits[..., 0].numel()
 
 
 def tune_layers(layers: ConvertedLayers, embedded: list[torch.Tensor], calls: list[list[tuple[tuple, dict]]],
@@ -185,7 +180,7 @@ def tune_layers(layers: ConvertedLayers, embedded: list[torch.Tensor], calls: li
             for index in range(len(layers)):
                 args, kwargs = calls[index][i]
                 inputs.append(hidden)
-                hidden = _layer_output(layers.build(index)(hidden, *args, **kwargs))
+                hidden = layer_output(layers.build(index)(hidden, *args, **kwargs))
         return inputs, hidden
 
     def evaluate() -> float:
@@ -193,19 +188,19 @@ def tune_layers(layers: ConvertedLayers, embedded: list[torch.Tensor], calls: li
         for i in held_out:
             _, hidden = forward(i)
             with torch.no_grad():
-                total += float(_kl(head(hidden), teacher_logits(i)))
+                total += float(kl_per_token(head(hidden), teacher_logits(i)))
         return total / len(held_out)
 
     def train_step(i: int) -> float:
         inputs, hidden = forward(i)
         hidden = hidden.detach().requires_grad_(True)
-        loss = _kl(head(hidden), teacher_logits(i))
+        loss = kl_per_token(head(hidden), teacher_logits(i))
         loss.backward()
         grad = hidden.grad
         for index in reversed(range(len(layers))):
             args, kwargs = calls[index][i]
             x = inputs[index].detach().requires_grad_(index > 0)
-            out = _layer_output(layers.build(index)(x, *args, **kwargs))
+            out = layer_output(layers.build(index)(x, *args, **kwargs))
             if out.requires_grad:
                 out.backward(grad)
             grad = x.grad if index > 0 else None
@@ -214,7 +209,7 @@ def tune_layers(layers: ConvertedLayers, embedded: list[torch.Tensor], calls: li
     for index in range(len(layers)):  # the trainables made before the optimizer takes them
         layers.build(index)
     params = layers.parameters()
-    optimizer, schedule = _optimizer_over(params, layers, tune_config, steps)
+    optimizer, schedule = _optimizer_over(layers, tune_config, steps)
     if state_path.exists():
         state = torch.load(state_path)
         _load_values(params, state["params"])
@@ -245,10 +240,10 @@ def tune_layers(layers: ConvertedLayers, embedded: list[torch.Tensor], calls: li
     return EndToEndTuned(history[0][1], best["kl"], best["step"], steps, history)
 
 
-def _optimizer_over(params, layers: ConvertedLayers, tune_config: TuneConfig, steps: int):
+def _optimizer_over(layers: ConvertedLayers, tune_config: TuneConfig, steps: int):
     linears = {f"{i}:{n}": m for i, by_name in layers.linears.items() for n, m in by_name.items()}
     gains = {f"{i}:{n}": m for i, by_name in layers.gains.items() for n, m in by_name.items()}
-    return _optimizer(linears, gains, tune_config, steps)
+    return make_optimizer(linears, gains, tune_config, steps)
 
 
 def _values(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:

@@ -120,7 +120,7 @@ def _install(model: torch.nn.Module, weights: dict[str, A3BWeight], config: A3BC
     return layers
 
 
-def _optimizer(layers: dict[str, TunedLinear], gains: dict[str, NormGain], tune_config: TuneConfig, steps: int):
+def make_optimizer(layers: dict[str, TunedLinear], gains: dict[str, NormGain], tune_config: TuneConfig, steps: int):
     groups = [{"params": [layer.log_gain for layer in layers.values()]
                + [gain.log_gain for gain in gains.values()], "lr": tune_config.lr}]
     if tune_config.block_codes_lr > 0:
@@ -134,6 +134,12 @@ def _step(optimizer, schedule, loss: torch.Tensor) -> None:
     loss.backward()
     optimizer.step()
     schedule.step()
+
+
+def kl_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student), summed over the vocabulary, averaged over tokens."""
+    return torch.nn.functional.kl_div(student_logits.float().log_softmax(-1), teacher_logits.float().log_softmax(-1),
+                                      log_target=True, reduction="sum") / student_logits[..., 0].numel()
 
 
 def tune(teacher: torch.nn.Module, student: torch.nn.Module, weights: dict[str, A3BWeight], config: A3BConfig,
@@ -153,14 +159,13 @@ def tune(teacher: torch.nn.Module, student: torch.nn.Module, weights: dict[str, 
         parametrize.register_parametrization(module, "weight", gains[norm])
     windows = [token_ids[i:i + tune_config.seq_len] for i in range(0, token_ids.numel() - 1, tune_config.seq_len)]
     steps = tune_config.epochs * len(windows)
-    optimizer, schedule = _optimizer(layers, gains, tune_config, steps)
+    optimizer, schedule = make_optimizer(layers, gains, tune_config, steps)
     with tqdm(range(steps), desc="tuning A3B metadata", unit="window") as bar:
         for step in bar:
             window = windows[step % len(windows)].unsqueeze(0)
             with torch.no_grad():
-                target = teacher(window).logits.float().log_softmax(-1)
-            predicted = student(window).logits.float().log_softmax(-1)
-            loss = torch.nn.functional.kl_div(predicted, target, log_target=True, reduction="sum") / window.numel()
+                target = teacher(window).logits
+            loss = kl_per_token(student(window).logits, target)
             _step(optimizer, schedule, loss)
             bar.set_postfix(kl=f"{loss.item():.4f}")
     return Tuned({name: layer.stored(weights[name]) for name, layer in layers.items()},
