@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
         tuned = (f"{tuning['held_out_kl'][0]:.4f} / {tuning['held_out_kl'][1]:.4f} | "
                  f"{tuning['best_step']} / {tuning['steps']} | {tuning['seconds']:.0f} | ") if tuning else "| | | "
         seconds = "" if row["conversion_s"] is None else f"{row['conversion_s']:.0f}"
-        lines.append(f"| {label} | " + "".join(f"{row['perplexity'][r]:.2f} | {row['perplexity'][r] / base[r] - 1:+.1%} | "
+        perplexity = row["perplexity"]
+        lines.append(f"| {label} | " + "".join(f"{perplexity[r]:.2f} | {perplexity[r] / base[r] - 1:+.1%} | "
                                                 for r in REGISTERS) + tuned + f"{seconds} |")
     (OUT / "end_to_end_tune.md").write_text("\n".join(lines + ["", "![plot](end_to_end_tune.png)"]) + "\n")
     plot(rows, OUT / "end_to_end_tune.png")

@@ -182,7 +182,8 @@ def launches(shapes: dict[str, tuple[int, int]]) -> list[dict]:
     dense = {name: nk for name, nk in shapes.items() if "experts" not in name} | {"8192x8192": (8192, 8192)}
     for name, (n, k) in dense.items():  # one row of x: the GEMV without a table, a3b_matmul's default
         split = splits_to_fill(math.ceil(n / a3b_gemv.BLOCK_N), math.ceil(k / 128), a3b_gemv.PER_SM)
-        out.append({"kernel": "gemv", "case": f"{name} {n}x{k} M=1", "build": f"gemv 1x128 split_k={4 if split > 1 else 1}",
+        out.append({"kernel": "gemv", "case": f"{name} {n}x{k} M=1",
+                    "build": f"gemv 1x128 split_k={4 if split > 1 else 1}",
                     "values": {"word_stride": k // 8, "row_words": k // 8, "N": n, "K": k,
                                "n_kblocks": math.ceil(k / 128), "nibble_mask": a3b_gemv.NIBBLE_AT_TOP,
                                "bit_mask": a3b_gemv.BIT_AT_TOP, "one": a3b_gemv.FLOAT_ONE},
@@ -197,7 +198,8 @@ def launches(shapes: dict[str, tuple[int, int]]) -> list[dict]:
                     "values": {"word_stride": k // 8, "row_words": k // 8, "M": m, "N": n, "K": k,
                                "n_kblocks": math.ceil(k / 128)},
                     "programs": tiles * split, "bytes": a3b_bytes(n, k) + 2 * m * k + 4 * m * n})
-    (up_n, up_k), (down_n, down_k) = shapes["mlp.experts (gate_up, one expert)"], shapes["mlp.experts (down, one expert)"]
+    up_n, up_k = shapes["mlp.experts (gate_up, one expert)"]
+    down_n, down_k = shapes["mlp.experts (down, one expert)"]
     for tokens in (1, 4, 16):
         active = min(8 * tokens, 256)  # at most one block of 16 rows each: every routed row its own expert
         for name, n, k, x_by_token in (("gate/up", up_n, up_k, True), ("down", down_n, down_k, False)):

@@ -231,7 +231,7 @@ def test_gpu_kernel_benchmark_smoke_run_passes_every_code_path(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     md = (tmp_path / "gpu_kernels.md").read_text()
-    assert md.count("| yes |") == 6 and "| NO |" not in md  # matmul x3, MoE, KV write, attention
+    assert md.count("| yes |") == 7 and "| NO |" not in md  # matmul x3, its table kernel at M=1, MoE, KV, attention
     for variant in ("bf16 cuBLAS", "torch int4", "A3B Triton", "fp16 SDPA"):
         assert f"| {variant} |" in md
 

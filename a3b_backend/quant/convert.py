@@ -40,9 +40,11 @@ and a calibrated conversion refuses a linear calibration gave no statistics. The
 metadata (row scales and block codes) and the norms' AWQ scales are tuned end
 to end against the source model over the same text (--tune-epochs passes,
 a3b_backend/quant/tune.py; 0 skips it; routed experts stored stacked keep
-their fitted metadata). --pipeline layers can tune each layer's dense linears'
-rounding and metadata block-wise instead (--tune-steps, AutoRound's recipe,
-a3b_backend/quant/block_tune.py; off by default).
+their fitted metadata). --pipeline layers runs the same tune one decoder layer
+at a time (--tune-epochs, a3b_backend/quant/stream_tune.py; off by default
+there), and can tune each layer's dense linears' rounding and metadata
+block-wise (--tune-steps, AutoRound's recipe, a3b_backend/quant/block_tune.py;
+off by default).
 
 The result is written to DST_DIR.partial and renamed to DST_DIR only when
 complete, so a failed run never leaves a checkpoint that looks whole.
@@ -444,8 +446,8 @@ def main(argv: list[str] | None = None) -> int:
                              "to it (default), or from every token, as if all were routed to it (statistics only)")
     parser.add_argument("--pipeline", choices=("model", "layers"), default="model",
                         help="model: calibrate with the whole model in memory (and tune end to end); layers: one "
-                             "decoder layer at a time in bounded memory, resumable, tuned block-wise "
-                             "(a3b_backend/quant/sequential.py)")
+                             "decoder layer at a time in bounded memory, resumable, tuned end to end with "
+                             "--tune-epochs N (a3b_backend/quant/sequential.py)")
     args = parser.parse_args(argv)
     try:
         config = A3BConfig(args.block_shape[0], args.block_shape[1], iterations=args.iterations)

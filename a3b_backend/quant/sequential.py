@@ -18,10 +18,14 @@ activations, in the order llm-compressor's sequential pipeline, AutoRound and GP
    (--tune-inputs quantized) the float chain is carried beside them. Then the layer is freed.
    Routed experts are rounded in groups on their own tokens (quant/experts.py) and keep their
    fitted metadata, as in the whole-model tune.
-3. The rest (embedding, final norm, lm_head, an MTP layer, a vision tower) is copied as stored.
+3. With --tune-epochs N, the converted layers are tuned end to end against the source, one layer
+   built at a time (quant/stream_tune.py): the float chain is carried beside the quantized one
+   through step 2 for its last hidden states, the teacher's.
+4. The rest (embedding, final norm, lm_head, an MTP layer, a vision tower) is copied as stored.
 
 Resumable: after each layer, DST.partial holds its shard, the hidden states (both chains
-when two are carried) and the progress; the same command after an interruption continues with the next layer.
+when two are carried) and the progress; the same command after an interruption continues with the next layer,
+or with the end-to-end tuning from its last evaluation.
 
 --device cuda runs step 2 on a GPU: the layer, its windows' hidden states and call arguments
 are moved there, what the step allocates goes there (a torch.device context), and the

@@ -3,17 +3,17 @@ language: y[N] = x[K] @ W^T.
 
 A code c = 2k + s (docs/a3b_format.md) is worth lo + k * step + (2s - 1) * d, which is
 alpha + beta * c + gamma * s with alpha = lo - d, beta = step / 2, gamma = 2d - step / 2
-(kernels/README.md, "The decode kernel to build next"). So over one 1 x GROUP block, with x the
+(kernels/README.md, "The design the GEMV follows"). So over one 1 x GROUP block, with x the
 block's columns:
 
     sum_j x_j w_j = alpha * sum(x) + beta * sum(x * c) + gamma * sum(x * s)
 
 Per weight: its nibble moved to the top of a float's mantissa by one shift, then two masks OR-ed
 into the bits of 1.0 give 1 + c / 16 and 1 + s / 16 (no int-to-float conversion), and two
-multiply-adds into the sums; the block's three scalars (folded with the 1.0s: `block_terms`) are
-applied once per 8 weights. Each program owns BLOCK_N rows and a range of K blocks (split-K
-until the GPU is full); a thread's codes are 4 consecutive 32-bit words of one row (one 16-byte
-load), and its x values serve every row it owns.
+multiply-adds into the sums; the block's three scalars (the 1.0s folded into the first: `base`)
+are applied once per 8 weights. Each program owns BLOCK_N rows and a range of K blocks (split-K
+until the GPU is full); a thread's codes come 4 consecutive 32-bit words of a row at a time (16-byte
+loads), and its x values serve every row it owns.
 """
 from __future__ import annotations
 
@@ -23,10 +23,12 @@ import triton.language as tl
 
 from a3b_backend.quant.format import A3BConfig, A3BWeight
 from a3b_kernels.occupancy import splits_to_fill
-from a3b_kernels.triton.codes import code_args, split8
+from a3b_kernels.triton.codes import block_table, code_args, split8
 
 BLOCK_N = 64
 PER_SM = 8  # programs per SM split-K aims at
+# Passed to the kernel as arguments, not constants, so they sit in registers: a LOP3 takes one
+# immediate, and (top & mask) | one with both as immediates takes two LOP3s
 FLOAT_ONE = 0x3F800000  # the bits of float32 1.0
 NIBBLE_AT_TOP = 0x780000  # mantissa bits 19..22: a nibble there is worth c / 16 over 1.0
 BIT_AT_TOP = 0x080000  # the nibble's low bit there is worth s / 16
@@ -45,8 +47,9 @@ def code_and_bit(word, J: tl.constexpr, nibble_mask, bit_mask, one):
 
 
 @triton.jit
-def _a3b_gemv_kernel(x_ptr, words_ptr, word_stride, row_words, lo_ptr, step_ptr, delta_ptr, lo_scale_ptr, step_scale_ptr,
-                     y_ptr, N, K, n_kblocks, nibble_mask, bit_mask, one, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, SPLIT_K: tl.constexpr):
+def _a3b_gemv_kernel(x_ptr, words_ptr, word_stride, row_words, lo_ptr, step_ptr, delta_ptr, lo_scale_ptr,
+                     step_scale_ptr, y_ptr, N, K, n_kblocks, nibble_mask, bit_mask, one,
+                     BLOCK_N: tl.constexpr, GROUP: tl.constexpr, SPLIT_K: tl.constexpr):
     WORDS: tl.constexpr = GROUP // 8
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -58,10 +61,7 @@ def _a3b_gemv_kernel(x_ptr, words_ptr, word_stride, row_words, lo_ptr, step_ptr,
     w_at = tl.arange(0, WORDS)
     acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     for kb in range(kb_start, kb_end):
-        meta = rows * n_kblocks + kb
-        lo = tl.load(lo_ptr + meta, mask=row_ok, other=0).to(tl.float32) * lo_scale
-        step = tl.load(step_ptr + meta, mask=row_ok, other=0).to(tl.float32) * step_scale
-        d = step * tl.load(delta_ptr + meta, mask=row_ok, other=0).to(tl.float32) / 255.0
+        lo, step, d = block_table(lo_ptr, step_ptr, delta_ptr, rows * n_kblocks + kb, row_ok, lo_scale, step_scale)
         # alpha + beta * c + gamma * s with c = 16 * (code - 1) and s = 16 * (bit - 1)
         beta16 = step * 8.0
         gamma16 = 32.0 * d - beta16
@@ -104,5 +104,6 @@ def a3b_gemv(x: torch.Tensor, q: A3BWeight, config: A3BConfig, out: torch.Tensor
         y.zero_()
     _, lo, step, delta, lo_scale, step_scale = q.kernel_tensors()
     _a3b_gemv_kernel[(tiles, split_k)](x.contiguous(), *code_args(q), lo, step, delta, lo_scale, step_scale, y,
-                                       N, K, n_kblocks, NIBBLE_AT_TOP, BIT_AT_TOP, FLOAT_ONE, BLOCK_N=BLOCK_N, GROUP=config.block_cols, SPLIT_K=split_k)
+                                       N, K, n_kblocks, NIBBLE_AT_TOP, BIT_AT_TOP, FLOAT_ONE, BLOCK_N=BLOCK_N,
+                                       GROUP=config.block_cols, SPLIT_K=split_k)
     return y

@@ -24,7 +24,7 @@ import triton.language as tl
 from a3b_backend.quant.format import A3BConfig, A3BWeight
 from a3b_kernels.occupancy import splits_to_fill
 from a3b_kernels.triton.a3b_gemv import a3b_gemv
-from a3b_kernels.triton.codes import code_args, split8
+from a3b_kernels.triton.codes import block_table, code_args, split8
 
 DECODE_ROWS = 16  # up to this many rows a call is bound by reading the weight
 FP16_MAX = tl.constexpr(65504.0)
@@ -111,10 +111,7 @@ def a3b_accumulate(x_ptr, x_rows, row_ok, words_ptr, word_stride, row_words, lo_
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(kb_start, kb_end):
-        meta = cols * n_kblocks + kb
-        lo = tl.load(lo_ptr + meta, mask=col_ok, other=0).to(tl.float32) * lo_scale
-        step = tl.load(step_ptr + meta, mask=col_ok, other=0).to(tl.float32) * step_scale
-        d = step * tl.load(delta_ptr + meta, mask=col_ok, other=0).to(tl.float32) / 255.0
+        lo, step, d = block_table(lo_ptr, step_ptr, delta_ptr, cols * n_kblocks + kb, col_ok, lo_scale, step_scale)
         word_at = kb * (GROUP // 8) + w_at
         word = tl.load(words_ptr + cols[:, None] * word_stride + word_at[None, :],
                        mask=col_ok[:, None] & (word_at < row_words)[None, :], other=0).to(tl.uint32, bitcast=True)

@@ -22,6 +22,15 @@ def split8(x, ROWS: tl.constexpr, COLS: tl.constexpr):
     return x0, x1, x2, x3, x4, x5, x6, x7
 
 
+@triton.jit
+def block_table(lo_ptr, step_ptr, delta_ptr, meta, ok, lo_scale, step_scale):
+    """(lo, step, d) of the blocks at `meta` (row * n_kblocks + block) as float32: the block codes
+    times their rows' scales, d = step * delta / 255."""
+    lo = tl.load(lo_ptr + meta, mask=ok, other=0).to(tl.float32) * lo_scale
+    step = tl.load(step_ptr + meta, mask=ok, other=0).to(tl.float32) * step_scale
+    return lo, step, step * tl.load(delta_ptr + meta, mask=ok, other=0).to(tl.float32) / 255.0
+
+
 def code_args(q: A3BWeight) -> tuple:
     """The codes as the kernels take them: 32-bit words (8 codes each), their
     row stride and the words of codes per row."""
