@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
              "on every 8th calibration window, before tuning and as kept.", "",
              "| conversion | " + "".join(f"perplexity, {register} | vs bf16 | " for register in REGISTERS)
              + "held-out KL before / after | step kept / steps | tuning s | conversion s |",
-             "|---" * (6 + 2 * len(REGISTERS)) + "|"]
+             "|---" * (5 + 2 * len(REGISTERS)) + "|"]
     for label, row in rows.items():
         tuning = row["tuning"]
         tuned = (f"{tuning['held_out_kl'][0]:.4f} / {tuning['held_out_kl'][1]:.4f} | "
