@@ -32,7 +32,7 @@ from a3b_backend.quant import calibrate
 from a3b_backend.quant.block_tune import held_out_windows
 from a3b_backend.quant.checkpoint import write_atomic
 from a3b_backend.quant.convert import fold_norm_scale
-from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
+from a3b_backend.quant.format import KINDS, A3BConfig, A3BWeight, dequantize
 from a3b_backend.quant.names import Layout
 from a3b_backend.quant.tune import NormGain, TunedLinear, TuneConfig, kl_per_token, make_optimizer
 
@@ -55,7 +55,7 @@ class StoredLayer:
     @classmethod
     def open(cls, path: Path, layout: Layout, index: int, config: A3BConfig) -> "StoredLayer":
         tensors = load_file(path)
-        names = [n for n in tensors if not any(n.endswith(f"_{kind}") for kind in A3B_KINDS)]
+        names = [n for n in tensors if not any(n.endswith(f"_{kind}") for kind in KINDS)]
         names += [n.removesuffix("_packed") for n in tensors if n.endswith("_packed")]
         return cls(path, layout, {index: names}, tensors, config)
 
@@ -64,8 +64,6 @@ class StoredLayer:
             return self.tensors[name]
         return dequantize(A3BWeight.from_tensors(self.tensors, name), self.config)
 
-
-A3B_KINDS = ("packed", "lo", "step", "delta", "lo_scale", "step_scale", "shape")
 
 
 @dataclasses.dataclass
