@@ -206,6 +206,22 @@ def test_end_to_end_tuning_layer_by_layer_brings_the_model_closer_to_the_source(
     assert any(n.endswith("_lo_scale") for n in changed) and any("layernorm.weight" in n for n in changed), changed
 
 
+def test_an_end_to_end_tuning_that_never_beats_its_start_keeps_the_untuned_checkpoint(tmp_path, tokenizer,
+                                                                                        windows_16):
+    """A rate far too large for the row scales never lowers the held-out KL: the config says the
+    untuned conversion was kept, and the checkpoint is that conversion's, byte for byte."""
+    src = checkpoint(tmp_path, tokenizer, "llama", {})
+    untuned = tensors(sequential.convert_layers(src, tmp_path / "untuned", CONFIG, windows_16,
+                                                16 * sequential.SEQ_LEN, "nearest"))
+    dst = sequential.convert_layers(src, tmp_path / "kept", CONFIG, windows_16, 16 * sequential.SEQ_LEN, "nearest",
+                                    end_to_end=TuneConfig(epochs=1, lr=50.0, block_codes_lr=0.0))
+    record = json.loads((dst / "config.json").read_text())["quantization_config"]["end_to_end_tuning"]
+    assert record["kept_untuned"] and record["best_step"] == 0
+    assert record["held_out_kl"][1] == record["held_out_kl"][0]
+    kept = tensors(dst)
+    assert set(kept) == set(untuned) and all(torch.equal(kept[n], untuned[n]) for n in untuned)
+
+
 def test_an_interrupted_end_to_end_tuning_resumes_to_the_same_bytes(tmp_path, tokenizer, windows_16, monkeypatch,
                                                                     capsys):
     text = windows_16
