@@ -427,15 +427,20 @@ def check_shapes(weight: A3BWeight, block: tuple[int, int], name: str = "weight"
 
 def dequantize(weight: A3BWeight, config: A3BConfig) -> torch.Tensor:
     """A3B -> float32 W[out, in]: one 16-entry table lookup per weight."""
-    rows, cols = config.block
     check_shapes(weight, config.block)
-    out, inp = weight.out_features, weight.in_features
-    nbr, nbc = weight.lo.shape
-    codes = _padded(unpack_codes(weight.packed), rows, cols)
-    lo, step, delta = table_params(weight)
-    device = weight.packed.device
-    level = torch.arange(16, device=device) >> 1
-    sign = (torch.arange(16, device=device) & 1).float() * 2 - 1
+    return lookup(weight.packed, *table_params(weight), config.block, (weight.out_features, weight.in_features))
+
+
+def lookup(packed: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, delta: torch.Tensor,
+           block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+    """W[out, in] of `shape` from its packed 4-bit codes and per-block float lo, step and delta
+    ([nbr, nbc] each): each block's 16-entry table, then one lookup per weight. Differentiable in
+    lo, step and delta (quant/tune.py tunes them through it)."""
+    rows, cols = block
+    nbr, nbc = lo.shape
+    codes = _padded(unpack_codes(packed), rows, cols)
+    level = torch.arange(16, device=packed.device) >> 1
+    sign = (torch.arange(16, device=packed.device) & 1).float() * 2 - 1
     tables = lo.reshape(-1, 1) + level.float() * step.reshape(-1, 1) + sign * delta.reshape(-1, 1)  # [nb, 16]
     values = torch.gather(tables, 1, to_blocks(codes.long(), rows, cols))
-    return from_blocks(values, nbr, nbc, rows, cols)[:out, :inp]
+    return from_blocks(values, nbr, nbc, rows, cols)[:shape[0], :shape[1]]

@@ -22,7 +22,7 @@ import torch
 from torch.nn.utils import parametrize
 from tqdm import tqdm
 
-from a3b_backend.quant.format import CODE_RANGES, A3BConfig, A3BWeight, unpack_codes
+from a3b_backend.quant.format import CODE_RANGES, A3BConfig, A3BWeight, lookup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +47,7 @@ class TunedLinear(torch.nn.Module):
         # the 4-bit codes stay packed (half a byte a weight): the layer pipeline keeps every layer's
         # TunedLinears in memory between uses (quant/stream_tune.py)
         self.register_buffer("packed", weight.packed)
-        self.in_features = weight.in_features
+        self.out_features, self.in_features = weight.out_features, weight.in_features
         for kind in CODE_RANGES:
             self.register_buffer(f"{kind}_code", getattr(weight, kind).float())
         self.register_buffer("fitted", torch.stack([weight.lo_scale.float(), weight.step_scale.float()]))
@@ -68,15 +68,7 @@ class TunedLinear(torch.nn.Module):
         lo_q, step_q, delta_q = self.codes()
         lo_scale, step_scale = self.scales()
         lo, step = lo_q * lo_scale[:, None], step_q * step_scale[:, None]
-        rows, cols = self.block
-        codes = unpack_codes(self.packed)[:, :self.in_features]
-        level, sign = (codes >> 1).float(), (codes & 1).float() * 2 - 1
-        out, inp = level.shape
-
-        def per_weight(t: torch.Tensor) -> torch.Tensor:
-            return t.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:out, :inp]
-
-        return per_weight(lo) + level * per_weight(step) + sign * per_weight(step * delta_q / 255)
+        return lookup(self.packed, lo, step, step * delta_q / 255, self.block, (self.out_features, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight())
