@@ -180,8 +180,9 @@ def _kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
 def test_end_to_end_tuning_layer_by_layer_brings_the_model_closer_to_the_source(tmp_path, tokenizer, windows_16,
                                                                                 model_type, extra):
     """--tune-epochs on the layer pipeline, on a model with outlier channels: the stored metadata
-    and norms change (the 4-bit codes stay), the held-out KL falls and the config says so, and
-    the checkpoint written is the tuned one: read back, it is nearer the source on a held-out window."""
+    and norms change (the 4-bit codes stay), the held-out KL falls and the config says so with the
+    windows its time went to, and the checkpoint written is the tuned one: read back, it is nearer
+    the source on a held-out window."""
     src = qwen_fidelity.with_outliers(checkpoint(tmp_path, tokenizer, model_type, extra,
                                                  published=model_type != "llama"), tmp_path / "outliers")
     windows = sequential.windows_of(src, windows_16, 16 * sequential.SEQ_LEN)
@@ -200,6 +201,9 @@ def test_end_to_end_tuning_layer_by_layer_brings_the_model_closer_to_the_source(
     record = quantization["end_to_end_tuning"]
     before, after = record["held_out_kl"]
     assert record["best_step"] > 0 and after < 0.9 * before, record
+    timing = record["timing"]  # what the time went to, by the windows run
+    assert timing["train_windows"] == record["steps"] and timing["train_s"] > 0
+    assert timing["evaluation_windows"] == len(record["history"]) * len(held_out_windows(len(windows)))
     assert kl[2] < kl[0], kl
     changed = {n for n in stored[0] if not torch.equal(stored[0][n], stored[2][n])}
     assert not any(n.endswith("_packed") for n in changed)

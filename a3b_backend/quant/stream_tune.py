@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -51,18 +52,23 @@ class StoredLayer:
     by_layer: dict[int, list[str]]
     tensors: dict[str, torch.Tensor]
     config: A3BConfig
+    replaced: frozenset[str]  # A3B weights the caller replaces once loaded: read as uninitialised tensors
 
     @classmethod
-    def open(cls, path: Path, layout: Layout, index: int, config: A3BConfig) -> "StoredLayer":
+    def open(cls, path: Path, layout: Layout, index: int, config: A3BConfig,
+             replaced: frozenset[str] = frozenset()) -> "StoredLayer":
         tensors = load_file(path)
         names = [n for n in tensors if not any(n.endswith(f"_{kind}") for kind in KINDS)]
         names += [n.removesuffix("_packed") for n in tensors if n.endswith("_packed")]
-        return cls(path, layout, {index: names}, tensors, config)
+        return cls(path, layout, {index: names}, tensors, config, replaced)
 
     def read(self, name: str) -> torch.Tensor:
         if name in self.tensors:
             return self.tensors[name]
-        return dequantize(A3BWeight.from_tensors(self.tensors, name), self.config)
+        weight = A3BWeight.from_tensors(self.tensors, name)
+        if name in self.replaced:
+            return torch.empty(weight.out_features, weight.in_features)
+        return dequantize(weight, self.config)
 
 
 
@@ -73,12 +79,15 @@ class EndToEndTuned:
     best_step: int  # 0: no evaluation beat the untuned conversion, which is kept
     steps: int
     history: list[tuple[int, float]]
+    # this run's (a resumed run's part): seconds and windows of the training steps and of the evaluations
+    timing: dict[str, float]
 
     def to_json(self) -> dict:
         return {"method": "end-to-end, layer by layer", "steps": self.steps,
                 "held_out_kl": [round(self.held_out_before, 6), round(self.held_out_after, 6)],
                 "best_step": self.best_step, "kept_untuned": self.best_step == 0,
-                "history": [[step, round(kl, 6)] for step, kl in self.history]}
+                "history": [[step, round(kl, 6)] for step, kl in self.history],
+                "timing": {k: round(v, 2) for k, v in self.timing.items()}}
 
 
 class ConvertedLayers:
@@ -99,7 +108,9 @@ class ConvertedLayers:
 
     def build(self, index: int) -> torch.nn.Module:
         prefix = f"model.layers.{index}."
-        stored = StoredLayer.open(self.shard_of(index), self.layout, index, self.config)
+        # the linears its TunedLinears replace are not dequantized
+        replaced = frozenset(self._checkpoint(prefix + name) for name in self.linears.get(index, {}))
+        stored = StoredLayer.open(self.shard_of(index), self.layout, index, self.config, replaced)
         layer, _ = self.load_layer(copy.deepcopy(self.meta[index]), stored, index)
         if index not in self.linears:
             self._make_trainables(index, layer, stored, prefix)
@@ -181,15 +192,20 @@ def tune_layers(layers: ConvertedLayers, embedded: list[torch.Tensor], calls: li
                 hidden = layer_output(layers.build(index)(hidden, *args, **kwargs))
         return inputs, hidden
 
+    timing = dict.fromkeys(("train_s", "train_windows", "evaluation_s", "evaluation_windows"), 0.0)
+
     def evaluate() -> float:
-        total = 0.0
+        started, total = time.perf_counter(), 0.0
         for i in held_out:
             _, hidden = forward(i)
             with torch.no_grad():
                 total += float(kl_per_token(head(hidden), teacher_logits(i)))
+        timing["evaluation_s"] += time.perf_counter() - started
+        timing["evaluation_windows"] += len(held_out)
         return total / len(held_out)
 
     def train_step(i: int) -> float:
+        started = time.perf_counter()
         inputs, hidden = forward(i)
         hidden = hidden.detach().requires_grad_(True)
         loss = kl_per_token(head(hidden), teacher_logits(i))
@@ -202,6 +218,8 @@ def tune_layers(layers: ConvertedLayers, embedded: list[torch.Tensor], calls: li
             if out.requires_grad:
                 out.backward(grad)
             grad = x.grad if index > 0 else None
+        timing["train_s"] += time.perf_counter() - started
+        timing["train_windows"] += 1
         return float(loss.detach())
 
     for index in range(len(layers)):  # the trainables made before the optimizer takes them
@@ -235,7 +253,7 @@ def tune_layers(layers: ConvertedLayers, embedded: list[torch.Tensor], calls: li
                               "best": best}
                 write_atomic(lambda p: torch.save(state, p), state_path)
     _load_values(params, best["params"])
-    return EndToEndTuned(history[0][1], best["kl"], best["step"], steps, history)
+    return EndToEndTuned(history[0][1], best["kl"], best["step"], steps, history, timing)
 
 
 def _optimizer_over(layers: ConvertedLayers, tune_config: TuneConfig, steps: int):
