@@ -12,7 +12,9 @@ an expert sees too few of its own for error-compensating rounding, so experts ro
 and the report gives its peak RSS, the seconds per layer by phase (the conversion's own
 a3b/conversion.json), the rounding throughput of expert matrices, and a projection to 40
 layers at the default 65,536 tokens: on this CPU from those figures, on an H100 host from a
-roofline count of the code's own kernels (GpuTimeEstimate; not a run).
+roofline count of the code's own kernels (GpuTimeEstimate; not a run). Each checkpoint is then
+converted again tuned end to end (--tune-epochs, default 1; quant/stream_tune.py), and the report
+gives the tuning's seconds per window per layer and its projection to the whole model likewise.
 
 --conversions-only --device cuda: the conversions' table alone, on a GPU (make gpu-check).
 """
@@ -40,8 +42,11 @@ from a3b_backend.profiles import LICENCE_TEXTS, PROJECT_ROOT
 from a3b_backend.quant.format import A3BConfig, dequantize, quantize, quantize_stack
 from a3b_backend.quant.gptq import quantize_gptq, quantize_gptq_stack
 from a3b_backend.quant import calibrate, experts
+from a3b_backend.quant.block_tune import held_out_windows
 from a3b_backend.quant.sequential import (REPORT, SEQ_LEN, Source, layer_inputs, load_layer, run_layer,
                                           skeleton, windows_of)
+from a3b_backend.quant.stream_tune import EVALUATIONS_PER_EPOCH, ConvertedLayers, layer_output
+from a3b_backend.quant.tune import TuneConfig
 
 QWEN_TINY = PROJECT_ROOT / "models" / "qwen3.6-tiny"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -100,20 +105,22 @@ def write_checkpoint(out: Path, layers: int) -> Path:
     return out
 
 
-def convert(src: Path, dst: Path, tokens: int, device: str, text: Path | None) -> dict:
-    """One conversion in a process of its own, on `text` (None: a3b-quantize's built-in) -> its report (its
-    peak RSS: that process's own high-water mark, which getrusage of the child would not give: ru_maxrss
-    carries this process's over execve)."""
+def convert(src: Path, dst: Path, tokens: int, device: str, text: Path | None, tune_epochs: int = 0) -> dict:
+    """One conversion in a process of its own, on `text` (None: a3b-quantize's built-in), tuned end to end
+    for `tune_epochs` -> its report (its peak RSS: that process's own high-water mark, which getrusage of the
+    child would not give: ru_maxrss carries this process's over execve), with the config's record of the
+    end-to-end tuning where it ran."""
     shutil.rmtree(dst, ignore_errors=True)
     shutil.rmtree(dst.with_name(dst.name + ".partial"), ignore_errors=True)
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "a3b_backend.quant.convert", str(src), str(dst),
                            *(["--calibration-text", str(text)] if text else []), "--calibration-tokens", str(tokens),
-                           "--pipeline", "layers", "--device", device])
+                           "--pipeline", "layers", "--device", device, "--tune-epochs", str(tune_epochs)])
     if done.returncode != 0:
         raise SystemExit(f"conversion of {src} failed")
     report = json.loads((dst / REPORT).read_text())
-    return {**report, "wall_s": time.perf_counter() - started}
+    tuning = json.loads((dst / "config.json").read_text())["quantization_config"].get("end_to_end_tuning")
+    return {**report, "wall_s": time.perf_counter() - started, **({"end_to_end_tuning": tuning} if tuning else {})}
 
 
 def anisotropic_inputs(generator: torch.Generator, width: int = 2048) -> Callable[[int], torch.Tensor]:
@@ -262,6 +269,28 @@ def gpu_expert_groups(groups: tuple[int, ...]) -> dict[int, dict[str, float]]:
     return {group: counted.summary(group / counted_experts) for group in groups}
 
 
+def gpu_tune_window(src: Path, dst: Path) -> dict[str, dict[str, float]]:
+    """Layer 0 of `dst` (`src` converted) in the end-to-end tuning, one calibration window, counted by
+    GpuTimeEstimate: built from its shard and run forward, as an evaluation and a training step's forward
+    take it ("forward"); built again, rerun with gradients and run backward, as a training step's backward
+    pass takes it ("backward")."""
+    source = Source.open(src)
+    hidden, calls, meta_layers = layer_inputs(skeleton(src), source, windows_of(src, CALIBRATION_TEXT, SEQ_LEN))
+    index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = dst / next(file for name, file in index.items() if ".layers.0." in name)
+    layers = ConvertedLayers(load_layer, lambda i: shard, meta_layers, source.layout, A3BConfig(), True,
+                             lambda i: {}, TuneConfig(), torch.device("cpu"))
+    layers.build(0)  # its TunedLinears, made on first use and kept
+    args, kwargs = calls[0][0]
+    with GpuTimeEstimate() as forward, torch.no_grad():
+        layer_output(layers.build(0)(hidden[0], *args, **kwargs))
+    with GpuTimeEstimate() as backward:
+        x = hidden[0].clone().requires_grad_(True)
+        out = layer_output(layers.build(0)(x, *args, **kwargs))
+        out.backward(torch.ones_like(out))
+    return {"forward": forward.summary(), "backward": backward.summary(), "shard_bytes": shard.stat().st_size}
+
+
 def plot(results: dict[int, dict], path: Path) -> None:
     import matplotlib
 
@@ -334,6 +363,50 @@ def projection(results: dict[int, dict], throughput: dict[str, float], flops: fl
     ]
 
 
+def tune_windows(windows: int, epochs: int) -> tuple[int, int]:
+    """The end-to-end tuning's (training steps, windows run for evaluations) over `windows` calibration
+    windows for `epochs`, as stream_tune.tune_layers schedules them."""
+    train = windows - len(held_out_windows(windows))
+    held_out = len(held_out_windows(windows)) or train  # too few to spare: the training windows score it
+    steps, every = epochs * train, max(1, train // EVALUATIONS_PER_EPOCH)
+    return steps, held_out * (1 + -(-steps // every))
+
+
+def tuning_rows(tuned: dict[int, dict], gpu: dict | None, epochs: int) -> list[str]:
+    """The tuned conversions' table and the end-to-end tuning's projection to the whole model."""
+    rows = ["| layers | peak RSS GiB | tuning s | training windows | s per training window per layer | "
+            "evaluation windows | s per evaluation window per layer |", "|---" * 7 + "|"]
+    per_window = {}
+    for layers, r in sorted(tuned.items()):
+        timing = r["end_to_end_tuning"]["timing"]
+        per_window = {kind: timing[f"{kind}_s"] / timing[f"{kind}_windows"] / layers
+                      for kind in ("train", "evaluation")}
+        rows.append(f"| {layers} | {r['peak_rss_gib']:.2f} | {r['end_to_end_tuning']['seconds']:.0f} | "
+                    f"{timing['train_windows']:.0f} | {per_window['train']:.1f} | "
+                    f"{timing['evaluation_windows']:.0f} | {per_window['evaluation']:.1f} |")
+    steps, evaluated = tune_windows(FULL_TOKENS // SEQ_LEN, epochs)
+    host = GpuHost()
+    rows += ["", f"Projection: {epochs} epoch(s) over {FULL_LAYERS} layers at {FULL_TOKENS} tokens = {steps} training "
+             f"windows and {evaluated} evaluation windows a layer (the largest conversion's seconds per window on this "
+             "CPU; on the GPU host, GpuTimeEstimate's count of layer 0 on one window, plus its shard over PCIe at "
+             "each build: once a forward, twice a training window):", "",
+             "| | this host | GPU host (projected) |", "|---|---|---|"]
+    cpu = {"train": per_window["train"], "evaluation": per_window["evaluation"]}
+    if gpu:
+        pcie = gpu["shard_bytes"] / host.pcie_bytes_per_s
+        forward = gpu["forward"]["seconds"] + pcie
+        gpu_s = {"train": forward + gpu["backward"]["seconds"] + pcie, "evaluation": forward}
+    else:
+        gpu_s = None
+    for kind, label in (("train", "s per training window per layer"), ("evaluation", "s per evaluation window per layer")):
+        rows.append(f"| {label} | {cpu[kind]:.1f} | " + (f"{gpu_s[kind]:.3f} |" if gpu_s else "not counted |"))
+    total = {name: FULL_LAYERS * (steps * per["train"] + evaluated * per["evaluation"])
+             for name, per in (("cpu", cpu), ("gpu", gpu_s)) if per}
+    rows.append(f"| **the tuning, {FULL_LAYERS} layers** | **{total['cpu'] / 3600:.1f} h** | "
+                + (f"**{total['gpu'] / 60:.0f} min** |" if "gpu" in total else "|"))
+    return rows
+
+
 def conversion_rows(results: dict[int, dict]) -> list[str]:
     """The conversions' table: per checkpoint its peak memory and seconds per layer by phase."""
     gpu = any("peak_gpu_gib" in d for r in results.values() for d in r["per_layer"])
@@ -372,6 +445,13 @@ def report(data: dict) -> str:
     lines += [f"At {tokens} tokens an expert sees ~{own} of its own; its down_proj rounds error-compensating "
               f"from {down}, its gate/up from {gate_up}"
               + (": here experts round nearest." if own < down else "."), ""]
+    if data.get("tuned"):
+        epochs = data["tune_epochs"]
+        lines += [f"## End-to-end tuning at real width (`--tune-epochs {epochs}`)", "",
+                  f"The same checkpoints converted again with `--tune-epochs {epochs}` "
+                  "(quant/stream_tune.py; random weights: its held-out KL means nothing here, its time and memory "
+                  "do). Peak RSS is the whole conversion's, the tuning included.", "",
+                  *tuning_rows(data["tuned"], data.get("gpu_counted", {}).get("tune"), epochs), ""]
     if "gpu_counted" not in data:
         return "\n".join(lines)
     throughput, flops = data["rounding_weights_per_s"], data["gram_flops_per_s"]
@@ -411,6 +491,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", type=Path, default=PROJECT_ROOT / "models" / "convert_scale")
     parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "perf" / "results" / "convert_scale")
     parser.add_argument("--device", default="cpu", help="a3b-quantize --device: cpu, or cuda for a GPU host's figures")
+    parser.add_argument("--tune-epochs", type=int, default=1,
+                        help="each checkpoint converted again with a3b-quantize --tune-epochs N; 0: not")
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from the saved JSON")
     parser.add_argument("--calibration-text", type=Path, default=CALIBRATION_TEXT,
                         help="the conversions' text (default GPL-3, ~8K tokens); 'built-in': a3b-quantize's own")
@@ -422,24 +504,34 @@ def main(argv: list[str] | None = None) -> None:
     if args.report_only:
         data = json.loads(saved.read_text())
         data["results"] = {int(k): v for k, v in data["results"].items()}
+        data["tuned"] = {int(k): v for k, v in data.get("tuned", {}).items()}
         data["held_out_error_ratio_by_tokens"] = {int(k): v for k, v in data["held_out_error_ratio_by_tokens"].items()}
     else:
         text = None if str(args.calibration_text) == "built-in" else args.calibration_text
-        results = {}
+        results, tuned = {}, {}
         for layers in args.layers:
             src = write_checkpoint(args.work / f"qwen3.6-width-{layers}-layers", layers)
             results[layers] = convert(src, args.work / f"qwen3.6-width-{layers}-layers-a3b", args.tokens,
                                      args.device, text)
             print(f"{layers} layers: peak RSS {results[layers]['peak_rss_gib']:.2f} GiB", flush=True)
+            if args.tune_epochs:
+                tuned[layers] = convert(src, args.work / f"qwen3.6-width-{layers}-layers-a3b-tuned", args.tokens,
+                                        args.device, text, args.tune_epochs)
+                print(f"{layers} layers tuned end to end: peak RSS {tuned[layers]['peak_rss_gib']:.2f} GiB, "
+                      f"tuning {tuned[layers]['end_to_end_tuning']['seconds']:.0f} s", flush=True)
         command = "make bench-convert-scale" if argv is None and sys.argv[1:] == [] else \
             "python perf/convert_scale.py " + " ".join(sys.argv[1:] if argv is None else argv)
         data = {"machine": machine(), "device": args.device, "command": command, "tokens": args.tokens,
-                "calibration": "a3b-quantize's built-in text" if text is None else text.name, "results": results}
+                "calibration": "a3b-quantize's built-in text" if text is None else text.name, "results": results,
+                "tune_epochs": args.tune_epochs, "tuned": tuned}
         if not args.conversions_only:
             data.update(rounding_weights_per_s=rounding_throughput(), held_out_error_ratio_by_tokens=held_out_errors(),
                         gram_flops_per_s=gram_flops_per_s(), gpu_counted={
                             "window": gpu_layer_window(args.work / f"qwen3.6-width-{min(args.layers)}-layers"),
-                            "experts": gpu_expert_groups(tuple(GROUP.values()))})
+                            "experts": gpu_expert_groups(tuple(GROUP.values())),
+                            **({"tune": gpu_tune_window(args.work / f"qwen3.6-width-{min(args.layers)}-layers",
+                                                        args.work / f"qwen3.6-width-{min(args.layers)}-layers-a3b-tuned")}
+                               if tuned else {})})
         args.out.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(data, indent=1))
     (args.out / "convert_scale.md").write_text(report(data))
