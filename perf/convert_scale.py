@@ -43,10 +43,10 @@ from a3b_backend.quant.format import A3BConfig, dequantize, quantize, quantize_s
 from a3b_backend.quant.gptq import quantize_gptq, quantize_gptq_stack
 from a3b_backend.quant import calibrate, experts
 from a3b_backend.quant.block_tune import held_out_windows
-from a3b_backend.quant.sequential import (REPORT, SEQ_LEN, Source, layer_inputs, load_layer, run_layer,
-                                          skeleton, windows_of)
+from a3b_backend.quant.sequential import (REPORT, SEQ_LEN, Source, final_head, layer_inputs, load_layer,
+                                          run_layer, skeleton, windows_of)
 from a3b_backend.quant.stream_tune import EVALUATIONS_PER_EPOCH, ConvertedLayers, layer_output
-from a3b_backend.quant.tune import TuneConfig
+from a3b_backend.quant.tune import TuneConfig, kl_per_token
 
 QWEN_TINY = PROJECT_ROOT / "models" / "qwen3.6-tiny"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -269,11 +269,12 @@ def gpu_expert_groups(groups: tuple[int, ...]) -> dict[int, dict[str, float]]:
     return {group: counted.summary(group / counted_experts) for group in groups}
 
 
-def gpu_tune_window(src: Path, dst: Path) -> dict[str, dict[str, float]]:
-    """Layer 0 of `dst` (`src` converted) in the end-to-end tuning, one calibration window, counted by
-    GpuTimeEstimate: built from its shard and run forward, as an evaluation and a training step's forward
-    take it ("forward"); built again, rerun with gradients and run backward, as a training step's backward
-    pass takes it ("backward")."""
+def gpu_tune_window(src: Path, dst: Path) -> dict[str, dict[str, float] | int]:
+    """The end-to-end tuning's parts on one calibration window, counted by GpuTimeEstimate: layer 0 of
+    `dst` (`src` converted) built from its shard ("build"), run forward ("forward": an evaluation's and a
+    training step's first pass), run again with gradients and backward ("recompute_backward": the training
+    step's second pass); the head's logits and KL for a training step (with its gradient) and for an
+    evaluation; and the shard's bytes, which a GPU host moves over PCIe at each build."""
     source = Source.open(src)
     hidden, calls, meta_layers = layer_inputs(skeleton(src), source, windows_of(src, CALIBRATION_TEXT, SEQ_LEN))
     index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
@@ -282,13 +283,25 @@ def gpu_tune_window(src: Path, dst: Path) -> dict[str, dict[str, float]]:
                              lambda i: {}, TuneConfig(), torch.device("cpu"))
     layers.build(0)  # its TunedLinears, made on first use and kept
     args, kwargs = calls[0][0]
-    with GpuTimeEstimate() as forward, torch.no_grad():
-        layer_output(layers.build(0)(hidden[0], *args, **kwargs))
-    with GpuTimeEstimate() as backward:
+    counted = {}
+    with GpuTimeEstimate() as counted["build"]:
+        layer = layers.build(0)
+    with GpuTimeEstimate() as counted["forward"], torch.no_grad():
+        layer_output(layer(hidden[0], *args, **kwargs))
+    with GpuTimeEstimate() as counted["recompute_backward"]:
         x = hidden[0].clone().requires_grad_(True)
-        out = layer_output(layers.build(0)(x, *args, **kwargs))
+        out = layer_output(layer(x, *args, **kwargs))
         out.backward(torch.ones_like(out))
-    return {"forward": forward.summary(), "backward": backward.summary(), "shard_bytes": shard.stat().st_size}
+    del layer, out, x
+    head = final_head(src, source, torch.device("cpu"))
+    with GpuTimeEstimate() as counted["head_train"]:
+        with torch.no_grad():
+            teacher = head(hidden[0])  # the float chain's hidden states in a tuning: the same shape
+        student = hidden[0].clone().requires_grad_(True)
+        kl_per_token(head(student), teacher).backward()
+    with GpuTimeEstimate() as counted["head_evaluation"], torch.no_grad():
+        kl_per_token(head(hidden[0]), head(hidden[0]))
+    return {**{part: estimate.summary() for part, estimate in counted.items()}, "shard_bytes": shard.stat().st_size}
 
 
 def plot(results: dict[int, dict], path: Path) -> None:
@@ -363,47 +376,76 @@ def projection(results: dict[int, dict], throughput: dict[str, float], flops: fl
     ]
 
 
-def tune_windows(windows: int, epochs: int) -> tuple[int, int]:
-    """The end-to-end tuning's (training steps, windows run for evaluations) over `windows` calibration
+def tune_schedule(windows: int, epochs: int) -> tuple[int, int, int]:
+    """The end-to-end tuning's (training steps, evaluations, held-out windows) over `windows` calibration
     windows for `epochs`, as stream_tune.tune_layers schedules them."""
     train = windows - len(held_out_windows(windows))
     held_out = len(held_out_windows(windows)) or train  # too few to spare: the training windows score it
     steps, every = epochs * train, max(1, train // EVALUATIONS_PER_EPOCH)
-    return steps, held_out * (1 + -(-steps // every))
+    return steps, 1 + -(-steps // every), held_out
 
 
-def tuning_rows(tuned: dict[int, dict], gpu: dict | None, epochs: int) -> list[str]:
+def tune_parts(tuned: dict[int, dict]) -> dict[str, float]:
+    """Per part, seconds on this CPU, from the largest tuned conversion's record: a layer's build; a layer's
+    compute per window in a training step (its forward, recomputed forward and backward) and in an
+    evaluation; the head's per window in each."""
+    layers = max(tuned)
+    t = tuned[layers]["end_to_end_tuning"]["timing"]
+    return {"build": (t["train_build_s"] + t["evaluation_build_s"]) / (t["train_builds"] + t["evaluation_builds"]),
+            "train_layer": (t["train_s"] - t["train_build_s"] - t["train_head_s"]) / t["train_windows"] / layers,
+            "evaluation_layer": ((t["evaluation_s"] - t["evaluation_build_s"] - t["evaluation_head_s"])
+                                 / t["evaluation_windows"] / layers),
+            "train_head": t["train_head_s"] / t["train_windows"],
+            "evaluation_head": t["evaluation_head_s"] / t["evaluation_windows"]}
+
+
+def gpu_tune_parts(counted: dict) -> dict[str, float]:
+    """tune_parts' parts on a GPU host, from gpu_tune_window's counts."""
+    pcie = counted["shard_bytes"] / GpuHost().pcie_bytes_per_s
+    return {"build": counted["build"]["seconds"] + pcie,
+            "train_layer": counted["forward"]["seconds"] + counted["recompute_backward"]["seconds"],
+            "evaluation_layer": counted["forward"]["seconds"],
+            "train_head": counted["head_train"]["seconds"], "evaluation_head": counted["head_evaluation"]["seconds"]}
+
+
+def tuning_total(parts: dict[str, float], layers: int, steps: int, evaluations: int, held_out: int) -> float:
+    """Seconds of a tuning: each step builds every layer twice; each evaluation builds it once for all
+    held-out windows."""
+    train = steps * (layers * (2 * parts["build"] + parts["train_layer"]) + parts["train_head"])
+    evaluation = evaluations * (layers * (parts["build"] + held_out * parts["evaluation_layer"])
+                                + held_out * parts["evaluation_head"])
+    return train + evaluation
+
+
+def tuning_rows(tuned: dict[int, dict], counted: dict | None, epochs: int) -> list[str]:
     """The tuned conversions' table and the end-to-end tuning's projection to the whole model."""
-    rows = ["| layers | peak RSS GiB | tuning s | training windows | s per training window per layer | "
-            "evaluation windows | s per evaluation window per layer |", "|---" * 7 + "|"]
-    per_window = {}
+    rows = ["| layers | peak RSS GiB | tuning s | training windows | of which building layers s | at the head s | "
+            "evaluation windows | of which building layers s | at the head s |", "|---" * 9 + "|"]
     for layers, r in sorted(tuned.items()):
-        timing = r["end_to_end_tuning"]["timing"]
-        per_window = {kind: timing[f"{kind}_s"] / timing[f"{kind}_windows"] / layers
-                      for kind in ("train", "evaluation")}
+        t = r["end_to_end_tuning"]["timing"]
         rows.append(f"| {layers} | {r['peak_rss_gib']:.2f} | {r['end_to_end_tuning']['seconds']:.0f} | "
-                    f"{timing['train_windows']:.0f} | {per_window['train']:.1f} | "
-                    f"{timing['evaluation_windows']:.0f} | {per_window['evaluation']:.1f} |")
-    steps, evaluated = tune_windows(FULL_TOKENS // SEQ_LEN, epochs)
-    host = GpuHost()
-    rows += ["", f"Projection: {epochs} epoch(s) over {FULL_LAYERS} layers at {FULL_TOKENS} tokens = {steps} training "
-             f"windows and {evaluated} evaluation windows a layer (the largest conversion's seconds per window on this "
-             "CPU; on the GPU host, GpuTimeEstimate's count of layer 0 on one window, plus its shard over PCIe at "
-             "each build: once a forward, twice a training window):", "",
-             "| | this host | GPU host (projected) |", "|---|---|---|"]
-    cpu = {"train": per_window["train"], "evaluation": per_window["evaluation"]}
-    if gpu:
-        pcie = gpu["shard_bytes"] / host.pcie_bytes_per_s
-        forward = gpu["forward"]["seconds"] + pcie
-        gpu_s = {"train": forward + gpu["backward"]["seconds"] + pcie, "evaluation": forward}
-    else:
-        gpu_s = None
-    for kind, label in (("train", "s per training window per layer"), ("evaluation", "s per evaluation window per layer")):
-        rows.append(f"| {label} | {cpu[kind]:.1f} | " + (f"{gpu_s[kind]:.3f} |" if gpu_s else "not counted |"))
-    total = {name: FULL_LAYERS * (steps * per["train"] + evaluated * per["evaluation"])
-             for name, per in (("cpu", cpu), ("gpu", gpu_s)) if per}
-    rows.append(f"| **the tuning, {FULL_LAYERS} layers** | **{total['cpu'] / 3600:.1f} h** | "
-                + (f"**{total['gpu'] / 60:.0f} min** |" if "gpu" in total else "|"))
+                    f"{t['train_windows']:.0f} in {t['train_s']:.0f} s | {t['train_build_s']:.0f} | "
+                    f"{t['train_head_s']:.0f} | {t['evaluation_windows']:.0f} in {t['evaluation_s']:.0f} s | "
+                    f"{t['evaluation_build_s']:.0f} | {t['evaluation_head_s']:.0f} |")
+    steps, evaluations, held_out = tune_schedule(FULL_TOKENS // SEQ_LEN, epochs)
+    cpu = tune_parts(tuned)
+    gpu = gpu_tune_parts(counted) if counted else None
+    labels = {"build": "a layer built from its shard (each build)",
+              "train_layer": "a layer's forward, recomputed forward and backward (per training window)",
+              "evaluation_layer": "a layer's forward (per evaluation window)",
+              "train_head": "the head: both models' logits, the KL and its gradient (per training window)",
+              "evaluation_head": "the head: both models' logits and the KL (per evaluation window)"}
+    rows += ["", f"Projection: {epochs} epoch(s) over {FULL_LAYERS} layers at {FULL_TOKENS} tokens: {steps} training "
+             f"steps, each building every layer twice, and {evaluations} evaluations of {held_out} held-out windows, "
+             f"each building every layer once. This CPU's parts from the {max(tuned)}-layer conversion's record; the "
+             "GPU host's counted by GpuTimeEstimate on layer 0 (a DeltaNet layer) and the head, each build plus the "
+             "shard over PCIe:", "", "| part, seconds | this host | GPU host (projected) |", "|---|---|---|"]
+    rows += [f"| {label} | {cpu[part]:.2f} | " + (f"{gpu[part]:.4f} |" if gpu else "not counted |")
+             for part, label in labels.items()]
+    totals = {name: tuning_total(parts, FULL_LAYERS, steps, evaluations, held_out)
+              for name, parts in (("cpu", cpu), ("gpu", gpu)) if parts}
+    rows.append(f"| **the tuning, {FULL_LAYERS} layers** | **{totals['cpu'] / 3600:.1f} h** | "
+                + (f"**{totals['gpu'] / 60:.0f} min** |" if "gpu" in totals else "|"))
     return rows
 
 

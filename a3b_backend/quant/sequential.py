@@ -175,11 +175,9 @@ def load_layer(layer: torch.nn.Module, source: Source, index: int) -> tuple[torc
                    if (e, p) not in names]
         if missing:
             raise ConversionError(f"{source.path}: layer {index} lacks expert tensors {missing[:3]}")
-        state[f"{experts}.gate_up_proj"] = torch.stack([
-            torch.cat([source.read(names[(e, "gate_proj")]), source.read(names[(e, "up_proj")])]).float()
-            for e in range(count)])
-        state[f"{experts}.down_proj"] = torch.stack([source.read(names[(e, "down_proj")]).float()
-                                                     for e in range(count)])
+        state[f"{experts}.gate_up_proj"] = _stacked(source, [[names[(e, "gate_proj")], names[(e, "up_proj")]]
+                                                             for e in range(count)])
+        state[f"{experts}.down_proj"] = _stacked(source, [[names[(e, "down_proj")]] for e in range(count)])
     missing = sorted(expected - set(state))
     if missing:
         raise ConversionError(f"{source.path}: layer {index} has no tensor for "
@@ -188,6 +186,21 @@ def load_layer(layer: torch.nn.Module, source: Source, index: int) -> tuple[torc
     # assign: the parameters become these tensors, so the layer is in memory once, not twice
     layer.load_state_dict(state, strict=True, assign=True)
     return layer.requires_grad_(False), expert_names
+
+
+def _stacked(source: Source, names: list[list[str]]) -> torch.Tensor:
+    """float32 [len(names), rows, columns]: entry e the tensors names[e] read and concatenated by
+    rows, written in place (a list of the experts, then stacked, would hold the layer's experts twice)."""
+    out = None
+    for e, parts in enumerate(names):
+        row = 0
+        for name in parts:
+            tensor = source.read(name)
+            if out is None:
+                out = torch.empty(len(names), tensor.shape[0] * len(parts), tensor.shape[1])
+            out[e, row:row + tensor.shape[0]] = tensor
+            row += tensor.shape[0]
+    return out
 
 
 def on_device(value, device: torch.device):
@@ -443,6 +456,8 @@ def final_head(src: Path, source: Source, device: torch.device) -> stream_tune.H
     for module in (norm, lm_head):
         module.to_empty(device=device)
         module.weight.data = source.read(stored[names[module]]).float().to(device)
+        # not tuned: no gradient for them (lm_head's alone would be a vocabulary x hidden matrix a step)
+        module.requires_grad_(False)
     return lambda hidden: lm_head(norm(hidden))
 
 

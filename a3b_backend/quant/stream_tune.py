@@ -12,12 +12,13 @@ the same optimisation over the converted layers' shards with one decoder layer b
   head; then backward from the last layer, each layer's forward recomputed from its input and the
   gradient handed down; then one Adam step over every layer's parameters, as tune.tune takes;
 - held-out windows (every HELD_OUT_EVERY-th, not trained on) score the KL before tuning and at
-  each evaluation, and the best evaluation is kept, the untuned one included: the tuning never
-  ends worse on them than the untuned conversion.
+  each evaluation, all of them through a layer once it is built, and the best evaluation is kept,
+  the untuned one included: the tuning never ends worse on them than the untuned conversion.
 Resumable: the parameters, Adam's state and the best evaluation are saved at each evaluation.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import time
@@ -56,8 +57,8 @@ class StoredLayer:
 
     @classmethod
     def open(cls, path: Path, layout: Layout, index: int, config: A3BConfig,
-             replaced: frozenset[str] = frozenset()) -> "StoredLayer":
-        tensors = load_file(path)
+             replaced: frozenset[str] = frozenset(), device: torch.device = torch.device("cpu")) -> "StoredLayer":
+        tensors = load_file(path, device=str(device))  # dequantized where the layer runs
         names = [n for n in tensors if not any(n.endswith(f"_{kind}") for kind in KINDS)]
         names += [n.removesuffix("_packed") for n in tensors if n.endswith("_packed")]
         return cls(path, layout, {index: names}, tensors, config, replaced)
@@ -79,8 +80,7 @@ class EndToEndTuned:
     best_step: int  # 0: no evaluation beat the untuned conversion, which is kept
     steps: int
     history: list[tuple[int, float]]
-    # this run's (a resumed run's part): seconds and windows of the training steps and of the evaluations
-    timing: dict[str, float]
+    timing: dict[str, float]  # Timing's totals of this run (a resumed run's part)
 
     def to_json(self) -> dict:
         return {"method": "end-to-end, layer by layer", "steps": self.steps,
@@ -110,7 +110,7 @@ class ConvertedLayers:
         prefix = f"model.layers.{index}."
         # the linears its TunedLinears replace are not dequantized
         replaced = frozenset(self._checkpoint(prefix + name) for name in self.linears.get(index, {}))
-        stored = StoredLayer.open(self.shard_of(index), self.layout, index, self.config, replaced)
+        stored = StoredLayer.open(self.shard_of(index), self.layout, index, self.config, replaced, self.device)
         layer, _ = self.load_layer(copy.deepcopy(self.meta[index]), stored, index)
         if index not in self.linears:
             self._make_trainables(index, layer, stored, prefix)
@@ -161,6 +161,26 @@ class ConvertedLayers:
         return tensors, scales
 
 
+class Timing:
+    """Where a tuning's time went, by phase (train: the training steps; evaluation): seconds in all
+    (`{phase}_s`), building layers (`{phase}_build_s`) and at the head (`{phase}_head_s`: the
+    logits, the KL and its gradient), and the windows and builds counted."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, key: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.count(f"{key}_s", time.perf_counter() - started)
+
+    def count(self, key: str, amount: float = 1) -> None:
+        self.totals[key] = self.totals.get(key, 0) + amount
+
+
 def layer_output(out: torch.Tensor | tuple) -> torch.Tensor:
     """A decoder layer's hidden states, whichever form its forward returns."""
     return out[0] if isinstance(out, tuple) else out
@@ -182,6 +202,13 @@ def tune_layers(layers: ConvertedLayers, embedded: list[torch.Tensor], calls: li
         with torch.no_grad():
             return head(teacher_hidden[i].to(device))
 
+    timing = Timing()
+
+    def build(index: int, phase: str) -> torch.nn.Module:
+        timing.count(f"{phase}_builds")
+        with timing(f"{phase}_build"):
+            return layers.build(index)
+
     def forward(i: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Window i through every layer, without gradients: each layer's input, and the last output."""
         inputs, hidden = [], embedded[i].to(device)
@@ -189,37 +216,40 @@ def tune_layers(layers: ConvertedLayers, embedded: list[torch.Tensor], calls: li
             for index in range(len(layers)):
                 args, kwargs = calls[index][i]
                 inputs.append(hidden)
-                hidden = layer_output(layers.build(index)(hidden, *args, **kwargs))
+                hidden = layer_output(build(index, "train")(hidden, *args, **kwargs))
         return inputs, hidden
 
-    timing = dict.fromkeys(("train_s", "train_windows", "evaluation_s", "evaluation_windows"), 0.0)
-
     def evaluate() -> float:
-        started, total = time.perf_counter(), 0.0
-        for i in held_out:
-            _, hidden = forward(i)
-            with torch.no_grad():
-                total += float(kl_per_token(head(hidden), teacher_logits(i)))
-        timing["evaluation_s"] += time.perf_counter() - started
-        timing["evaluation_windows"] += len(held_out)
+        """The mean KL over the held-out windows, run through each layer together: one build a layer."""
+        hidden = {i: embedded[i].to(device) for i in held_out}
+        with timing("evaluation"), torch.no_grad():
+            for index in range(len(layers)):
+                layer = build(index, "evaluation")
+                for i in held_out:
+                    args, kwargs = calls[index][i]
+                    hidden[i] = layer_output(layer(hidden[i], *args, **kwargs))
+                del layer
+            with timing("evaluation_head"):
+                total = sum(float(kl_per_token(head(hidden[i]), teacher_logits(i))) for i in held_out)
+        timing.count("evaluation_windows", len(held_out))
         return total / len(held_out)
 
     def train_step(i: int) -> float:
-        started = time.perf_counter()
-        inputs, hidden = forward(i)
-        hidden = hidden.detach().requires_grad_(True)
-        loss = kl_per_token(head(hidden), teacher_logits(i))
-        loss.backward()
-        grad = hidden.grad
-        for index in reversed(range(len(layers))):
-            args, kwargs = calls[index][i]
-            x = inputs[index].detach().requires_grad_(index > 0)
-            out = layer_output(layers.build(index)(x, *args, **kwargs))
-            if out.requires_grad:
-                out.backward(grad)
-            grad = x.grad if index > 0 else None
-        timing["train_s"] += time.perf_counter() - started
-        timing["train_windows"] += 1
+        with timing("train"):
+            inputs, hidden = forward(i)
+            hidden = hidden.detach().requires_grad_(True)
+            with timing("train_head"):
+                loss = kl_per_token(head(hidden), teacher_logits(i))
+                loss.backward()
+            grad = hidden.grad
+            for index in reversed(range(len(layers))):
+                args, kwargs = calls[index][i]
+                x = inputs[index].detach().requires_grad_(index > 0)
+                out = layer_output(build(index, "train")(x, *args, **kwargs))
+                if out.requires_grad:
+                    out.backward(grad)
+                grad = x.grad if index > 0 else None
+        timing.count("train_windows")
         return float(loss.detach())
 
     for index in range(len(layers)):  # the trainables made before the optimizer takes them
@@ -253,7 +283,7 @@ def tune_layers(layers: ConvertedLayers, embedded: list[torch.Tensor], calls: li
                               "best": best}
                 write_atomic(lambda p: torch.save(state, p), state_path)
     _load_values(params, best["params"])
-    return EndToEndTuned(history[0][1], best["kl"], best["step"], steps, history, timing)
+    return EndToEndTuned(history[0][1], best["kl"], best["step"], steps, history, timing.totals)
 
 
 def _optimizer_over(layers: ConvertedLayers, tune_config: TuneConfig, steps: int):
