@@ -195,7 +195,8 @@ compare-quant-a3b: setup model
 		"A3B, layer pipeline, tuned end to end" "A3B uncalibrated" --out perf/results/quant_compare/a3b
 
 # a3b-quantize --pipeline layers on random checkpoints of 2 and 4 layers at Qwen3.6-35B-A3B's real width:
-# peak RSS against layers, seconds per layer, rounding throughput, a 40-layer projection (perf/results/convert_scale/)
+# peak RSS against layers, seconds per layer, rounding throughput, a 40-layer projection; then each tuned end to
+# end (--tune-epochs 1): its memory, its time by part and its projection (perf/results/convert_scale/)
 bench-convert-scale: setup model-qwen
 	$(PY) perf/convert_scale.py
 
