@@ -13,7 +13,7 @@ from test_quant_convert import CONFIG, QWEN35, tensors, tiny
 
 from a3b_backend.prepare.qwen_tiny import real_layout
 from a3b_backend.profiles import PROJECT_ROOT
-from a3b_backend.quant import calibrate, sequential
+from a3b_backend.quant import calibrate, sequential, stream_tune
 from a3b_backend.quant.dequantized import float_model
 from a3b_backend.quant.convert import ConversionError, convert, main
 from a3b_backend.quant.block_tune import BlockTuneConfig, held_out_windows
@@ -211,6 +211,23 @@ def test_end_to_end_tuning_layer_by_layer_brings_the_model_closer_to_the_source(
     changed = {n for n in stored[0] if not torch.equal(stored[0][n], stored[2][n])}
     assert not any(n.endswith("_packed") for n in changed)
     assert any(n.endswith("_lo_scale") for n in changed) and any("layernorm.weight" in n for n in changed), changed
+
+
+def test_the_heads_kl_in_chunks_of_tokens_equals_it_whole(monkeypatch):
+    """A window's KL at the head taken a few tokens at a time (as at Qwen3.6's vocabulary), and
+    its gradient, equal the KL taken over the whole window at once."""
+    torch.manual_seed(0)
+    hidden_size, vocab, tokens = 16, 50, 13
+    head = stream_tune.Head(torch.nn.RMSNorm(hidden_size), torch.nn.Linear(hidden_size, vocab, bias=False))
+    hidden, teacher = torch.randn(1, tokens, hidden_size), torch.randn(1, tokens, hidden_size)
+    found = {}
+    for logits in (vocab * tokens, vocab * 4):
+        monkeypatch.setattr(stream_tune, "HEAD_LOGITS", logits)
+        student = hidden.clone().requires_grad_(True)
+        found[len(head.chunks(tokens))] = stream_tune.head_kl(head, student, teacher, backward=True), student.grad
+    (kl, grad), (chunked_kl, chunked_grad) = found[1], found[4]
+    assert kl == pytest.approx(chunked_kl, rel=1e-5) and kl > 0
+    torch.testing.assert_close(chunked_grad, grad)
 
 
 def test_an_end_to_end_tuning_that_never_beats_its_start_keeps_the_untuned_checkpoint(tmp_path, tokenizer,

@@ -458,7 +458,7 @@ def final_head(src: Path, source: Source, device: torch.device) -> stream_tune.H
         module.weight.data = source.read(stored[names[module]]).float().to(device)
         # not tuned: no gradient for them (lm_head's alone would be a vocabulary x hidden matrix a step)
         module.requires_grad_(False)
-    return lambda hidden: lm_head(norm(hidden))
+    return stream_tune.Head(norm, lm_head)
 
 
 def tune_end_to_end(src: Path, source: Source, partial: Path, config: A3BConfig, zero_centred: bool,

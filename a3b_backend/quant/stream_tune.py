@@ -40,9 +40,26 @@ from a3b_backend.quant.tune import NormGain, TunedLinear, TuneConfig, kl_per_tok
 
 STATE = "end_to_end.pt"  # in DST.partial: the tuning's parameters, Adam's state and best evaluation so far
 EVALUATIONS_PER_EPOCH = 4
-Head = Callable[[torch.Tensor], torch.Tensor]  # final hidden states -> logits
+# logits computed at once at the head: a 512-token window at Qwen3.6's 248,320-token vocabulary is
+# 0.5 GB of float32 logits, and the KL's log-softmaxes and their gradients hold several times that
+HEAD_LOGITS = 2**25
 # sequential.load_layer: a meta decoder layer filled from a source's tensors of layer `index`
 LoadLayer = Callable[[torch.nn.Module, object, int], tuple[torch.nn.Module, set[str]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """The model's final norm and lm_head: final hidden states -> logits."""
+    norm: torch.nn.Module
+    lm_head: torch.nn.Linear
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    def chunks(self, tokens: int) -> list[slice]:
+        """Token slices whose logits are at most HEAD_LOGITS values (at least one token each)."""
+        step = max(1, HEAD_LOGITS // self.lm_head.weight.shape[0])
+        return [slice(start, start + step) for start in range(0, tokens, step)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +198,21 @@ class Timing:
         self.totals[key] = self.totals.get(key, 0) + amount
 
 
+def head_kl(head: Head, hidden: torch.Tensor, teacher_hidden: torch.Tensor, backward: bool) -> float:
+    """KL(teacher || student) per token at the head, a chunk of tokens at a time; with `backward`,
+    each chunk's gradient reaches `hidden` before the next chunk's logits are made."""
+    tokens, total = hidden.shape[-2], 0.0
+    for part in head.chunks(tokens):
+        with torch.no_grad():
+            teacher = head(teacher_hidden[..., part, :].to(hidden.device))
+        student = hidden[..., part, :]
+        kl = kl_per_token(head(student), teacher) * (student.shape[-2] / tokens)
+        if backward:
+            kl.backward()
+        total += float(kl.detach())
+    return total
+
+
 def layer_output(out: torch.Tensor | tuple) -> torch.Tensor:
     """A decoder layer's hidden states, whichever form its forward returns."""
     return out[0] if isinstance(out, tuple) else out
@@ -197,10 +229,6 @@ def tune_layers(layers: ConvertedLayers, embedded: list[torch.Tensor], calls: li
     held_out = held_out or train
     steps = tune_config.epochs * len(train)
     evaluate_every = max(1, len(train) // EVALUATIONS_PER_EPOCH)
-
-    def teacher_logits(i: int) -> torch.Tensor:
-        with torch.no_grad():
-            return head(teacher_hidden[i].to(device))
 
     timing = Timing()
 
@@ -230,7 +258,7 @@ def tune_layers(layers: ConvertedLayers, embedded: list[torch.Tensor], calls: li
                     hidden[i] = layer_output(layer(hidden[i], *args, **kwargs))
                 del layer
             with timing("evaluation_head"):
-                total = sum(float(kl_per_token(head(hidden[i]), teacher_logits(i))) for i in held_out)
+                total = sum(head_kl(head, hidden[i], teacher_hidden[i], backward=False) for i in held_out)
         timing.count("evaluation_windows", len(held_out))
         return total / len(held_out)
 
@@ -239,8 +267,7 @@ def tune_layers(layers: ConvertedLayers, embedded: list[torch.Tensor], calls: li
             inputs, hidden = forward(i)
             hidden = hidden.detach().requires_grad_(True)
             with timing("train_head"):
-                loss = kl_per_token(head(hidden), teacher_logits(i))
-                loss.backward()
+                loss = head_kl(head, hidden, teacher_hidden[i], backward=True)
             grad = hidden.grad
             for index in reversed(range(len(layers))):
                 args, kwargs = calls[index][i]
@@ -250,7 +277,7 @@ def tune_layers(layers: ConvertedLayers, embedded: list[torch.Tensor], calls: li
                     out.backward(grad)
                 grad = x.grad if index > 0 else None
         timing.count("train_windows")
-        return float(loss.detach())
+        return loss
 
     for index in range(len(layers)):  # the trainables made before the optimizer takes them
         layers.build(index)
