@@ -208,7 +208,7 @@ def checks(plan: Plan, cuda_ext: bool) -> list[tuple[str, float, bool]]:
     expected = kv_cache.paged_decode_attention(qry, seqs.k, seqs.v, seqs.tables, seqs.lens)
     on_device = [kv_cache.PagedA3B(c.codes.to(dev), c.meta.to(dev)) for c in (seqs.k, seqs.v)]
     args = (qry.to(dev), *on_device, seqs.tables.to(dev), seqs.lens.int().to(dev))
-    record("triton a3b paged decode attention", a3b_kv.paged_decode_attention(*args), expected, 1e-3)
+    record("triton a3b paged decode attention", a3b_kv.paged_decode_attention(*args), expected, 2e-3)  # fp16 dots
     if cuda_ext:
         from a3b_kernels import cuda
 

@@ -94,4 +94,5 @@ def test_triton_paged_decode_attention_matches_the_reference(heads, kv_heads, di
     expected = kv_cache.paged_decode_attention(q, seqs.k, seqs.v, seqs.tables, seqs.lens)
     got = a3b_kv.paged_decode_attention(q, seqs.k, seqs.v, seqs.tables, seqs.lens, splits=splits)
     assert not got.isnan().any()
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    # fp16 operands on the tensor cores (11 significant bits), float32 sums
+    torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3)

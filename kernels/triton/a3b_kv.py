@@ -12,7 +12,12 @@ the kernels (kernels/kv_cache.py `rotate`; the kernels see rotated vectors).
 - `paged_decode_attention`: one query token per sequence, GQA. A program takes
   one KV head (all its query heads, so K/V are read once) and a split of the
   sequence's pages (flash-decoding), dequantizes K/V in registers and keeps an
-  online softmax; the splits are merged afterwards.
+  online softmax; the splits are merged afterwards. Q.K and P.V run on the
+  tensor cores with fp16 operands and float32 sums (vLLM's attention takes
+  bf16 ones): as float32 FMA dot products, the query group padded to 16 rows
+  cost 16 FMAs per cached value and 255 registers (`make kernel-report`). Each
+  token's (lo, step, d) are loaded once per group and broadcast over its
+  channels.
 
 Channels are handled as even/odd halves (low/high nibble), as in a3b_matmul.
 """
@@ -25,6 +30,9 @@ import triton.language as tl
 from a3b_kernels.kv_cache import ITERATIONS, PagedA3B, merge_splits, rotate
 from a3b_kernels.occupancy import splits_to_fill
 from a3b_kernels.triton.a3b_matmul import nibble_values
+
+# paged_decode_attention's warps: at 4, 156 registers per thread; at 8, 126 (`make kernel-report`)
+DECODE_WARPS = 8
 
 
 @triton.jit
@@ -129,11 +137,18 @@ def _dequant_half(codes_ptr, meta_ptr, rows, t_ok, GROUP: tl.constexpr, D: tl.co
     """K or V of tokens `rows` (cache row = slot * kv_heads + head) as even/odd float32 [BS, D/2]."""
     half = tl.arange(0, D // 2)
     byte = tl.load(codes_ptr + rows[:, None] * (D // 2) + half[None, :], mask=t_ok[:, None], other=0).to(tl.int32)
-    meta = (rows[:, None] * (D // GROUP) + (2 * half // GROUP)[None, :]) * 3
-    lo = tl.load(meta_ptr + meta, mask=t_ok[:, None], other=0.0).to(tl.float32)
-    step = tl.load(meta_ptr + meta + 1, mask=t_ok[:, None], other=0.0).to(tl.float32)
-    d = tl.load(meta_ptr + meta + 2, mask=t_ok[:, None], other=0.0).to(tl.float32)
+    meta = (rows[:, None] * (D // GROUP) + tl.arange(0, D // GROUP)[None, :]) * 3
+    lo = _per_column(tl.load(meta_ptr + meta, mask=t_ok[:, None], other=0.0).to(tl.float32), GROUP, D)
+    step = _per_column(tl.load(meta_ptr + meta + 1, mask=t_ok[:, None], other=0.0).to(tl.float32), GROUP, D)
+    d = _per_column(tl.load(meta_ptr + meta + 2, mask=t_ok[:, None], other=0.0).to(tl.float32), GROUP, D)
     return nibble_values(byte, lo, step, d)
+
+
+@triton.jit
+def _per_column(per_group, GROUP: tl.constexpr, D: tl.constexpr):
+    """[BS, D / GROUP] -> [BS, D / 2]: each group's value at each of its byte columns."""
+    rows: tl.constexpr = per_group.shape[0]
+    return tl.reshape(tl.broadcast_to(per_group[:, :, None], (rows, D // GROUP, GROUP // 2)), (rows, D // 2))
 
 
 @triton.jit
@@ -151,8 +166,8 @@ def _decode_kernel(q_ptr, k_codes, k_meta, v_codes, v_meta, tables_ptr, lens_ptr
     q_rows = (b * heads + h * QG + qh).to(tl.int64) * D
     qe = tl.load(q_ptr + q_rows[:, None] + 2 * half[None, :], mask=q_ok[:, None], other=0.0).to(tl.float32)
     qo = tl.load(q_ptr + q_rows[:, None] + 2 * half[None, :] + 1, mask=q_ok[:, None], other=0.0).to(tl.float32)
-    qe = qe * sm_scale
-    qo = qo * sm_scale
+    qe = (qe * sm_scale).to(tl.float16)
+    qo = (qo * sm_scale).to(tl.float16)
     m = tl.full((QG_P,), float("-inf"), tl.float32)
     l = tl.zeros((QG_P,), tl.float32)
     acc_e = tl.zeros((QG_P, D // 2), tl.float32)
@@ -166,15 +181,15 @@ def _decode_kernel(q_ptr, k_codes, k_meta, v_codes, v_meta, tables_ptr, lens_ptr
         t_ok = page * BLOCK_SIZE + tok < n
         rows = (phys * BLOCK_SIZE + tok) * kv_heads + h
         ke, ko = _dequant_half(k_codes, k_meta, rows, t_ok, GROUP, D)
-        s = tl.dot(qe, tl.trans(ke), input_precision="ieee") + tl.dot(qo, tl.trans(ko), input_precision="ieee")
+        s = tl.dot(qe, tl.trans(ke.to(tl.float16))) + tl.dot(qo, tl.trans(ko.to(tl.float16)))
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
         ve, vo = _dequant_half(v_codes, v_meta, rows, t_ok, GROUP, D)
-        acc_e = acc_e * alpha[:, None] + tl.dot(p, ve, input_precision="ieee")
-        acc_o = acc_o * alpha[:, None] + tl.dot(p, vo, input_precision="ieee")
+        acc_e = acc_e * alpha[:, None] + tl.dot(p.to(tl.float16), ve.to(tl.float16))
+        acc_o = acc_o * alpha[:, None] + tl.dot(p.to(tl.float16), vo.to(tl.float16))
         m = m_new
     part = ((b * kv_heads + h) * splits + split) * QG_P + qh
     tl.store(m_ptr + part, m)
@@ -202,5 +217,5 @@ def paged_decode_attention(q: torch.Tensor, k: PagedA3B, v: PagedA3B, block_tabl
     _decode_kernel[(batch, kv_heads, splits)](
         rotate(q).contiguous(), k.codes, k.meta, v.codes, v.meta, block_tables, seq_lens, m, l, acc, heads,
         kv_heads, max_pages, per_split, dim ** -0.5 if scale is None else scale, QG=qg, QG_P=qg_p,
-        BLOCK_SIZE=block_size, D=dim, GROUP=k.group)
+        BLOCK_SIZE=block_size, D=dim, GROUP=k.group, num_warps=DECODE_WARPS)
     return rotate(merge_splits(m, l, acc)[:, :, :qg].reshape(batch, heads, dim))

@@ -89,6 +89,6 @@ def builds() -> Iterator[Build]:
     yield Build("kv write", a3b_kv._write_kernel, KV_WRITE, {"GROUP": KV_GROUP, "ITERS": KV_ITERATIONS})
     yield Build("kv decode", a3b_kv._decode_kernel, KV_DECODE,
                 {"QG": KV_QUERY_GROUP, "QG_P": 16, "BLOCK_SIZE": KV_PAGE, "D": KV_HEAD_DIM, "GROUP": KV_GROUP},
-                per_iteration=(2 * KV_PAGE * KV_HEAD_DIM, "cached K/V value"))
+                a3b_kv.DECODE_WARPS, per_iteration=(2 * KV_PAGE * KV_HEAD_DIM, "cached K/V value"))
     yield Build("refused: matmul 1x32 M=8", a3b_matmul._a3b_matmul_kernel, MATMUL,
                 {"BLOCK_M": 16, "BLOCK_N": 64, "GROUP": 32, "SPLIT_K": 1})
