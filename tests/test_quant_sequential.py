@@ -230,6 +230,27 @@ def test_the_heads_kl_in_chunks_of_tokens_equals_it_whole(monkeypatch):
     torch.testing.assert_close(chunked_grad, grad)
 
 
+def test_the_heads_logits_from_a_bf16_lm_head_a_few_rows_at_a_time_equal_a_float32_linears(monkeypatch):
+    """lm_head's weight kept as stored (bf16), made float32 a few vocabulary rows at a time: the
+    logits and their gradient equal a float32 linear's of the same weights."""
+    torch.manual_seed(0)
+    monkeypatch.setattr(stream_tune, "HEAD_ROWS", 7)
+    linear = torch.nn.Linear(16, 50, bias=False)
+    linear.weight.data = linear.weight.data.bfloat16().float()
+    stored = torch.nn.Linear(16, 50, bias=False, dtype=torch.bfloat16)
+    stored.weight.data = linear.weight.data.bfloat16()
+    found, upstream = [], torch.randn(1, 13, 50)
+    for logits_of in (linear, stream_tune.Head(torch.nn.Identity(), stored)):
+        x = torch.randn(1, 13, 16, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+        logits = logits_of(x)
+        logits.backward(upstream)
+        found.append((logits.detach(), x.grad))
+    (expected, expected_grad), (logits, grad) = found
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, expected)
+    torch.testing.assert_close(grad, expected_grad)
+
+
 def test_an_end_to_end_tuning_that_never_beats_its_start_keeps_the_untuned_checkpoint(tmp_path, tokenizer,
                                                                                         windows_16):
     """A rate far too large for the row scales never lowers the held-out KL: the config says the

@@ -455,7 +455,8 @@ def final_head(src: Path, source: Source, device: torch.device) -> stream_tune.H
         stored[names[lm_head]] = source.layout.checkpoint(names[model.get_input_embeddings()]) + ".weight"
     for module in (norm, lm_head):
         module.to_empty(device=device)
-        module.weight.data = source.read(stored[names[module]]).float().to(device)
+        weight = source.read(stored[names[module]]).to(device)
+        module.weight.data = weight if module is lm_head else weight.float()  # Head makes lm_head's float32
         # not tuned: no gradient for them (lm_head's alone would be a vocabulary x hidden matrix a step)
         module.requires_grad_(False)
     return stream_tune.Head(norm, lm_head)

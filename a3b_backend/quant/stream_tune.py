@@ -43,6 +43,9 @@ EVALUATIONS_PER_EPOCH = 4
 # logits computed at once at the head: a 512-token window at Qwen3.6's 248,320-token vocabulary is
 # 0.5 GB of float32 logits, and the KL's log-softmaxes and their gradients hold several times that
 HEAD_LOGITS = 2**25
+# lm_head's weight stays as stored (bf16: 1 GB at Qwen3.6's vocabulary, 2 GB in float32), made
+# float32 this many vocabulary rows at a time for the logits and for their gradient
+HEAD_ROWS = 2**14
 # sequential.load_layer: a meta decoder layer filled from a source's tensors of layer `index`
 LoadLayer = Callable[[torch.nn.Module, object, int], tuple[torch.nn.Module, set[str]]]
 
@@ -54,12 +57,26 @@ class Head:
     lm_head: torch.nn.Linear
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+        return _Logits.apply(self.norm(hidden), self.lm_head.weight)
 
     def chunks(self, tokens: int) -> list[slice]:
         """Token slices whose logits are at most HEAD_LOGITS values (at least one token each)."""
         step = max(1, HEAD_LOGITS // self.lm_head.weight.shape[0])
         return [slice(start, start + step) for start in range(0, tokens, step)]
+
+
+class _Logits(torch.autograd.Function):
+    """x @ weight.T in float32, the weight (not tuned) made float32 HEAD_ROWS rows at a time."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return torch.cat([x @ rows.float().T for rows in weight.split(HEAD_ROWS)], -1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (weight,) = ctx.saved_tensors
+        return sum(g @ rows.float() for g, rows in zip(grad.split(HEAD_ROWS, -1), weight.split(HEAD_ROWS))), None
 
 
 @dataclasses.dataclass(frozen=True)
