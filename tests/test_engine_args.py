@@ -76,3 +76,19 @@ def test_cpu_2node_is_the_cpu_profile_across_two_nodes():
     a100, multinode = PROFILES["a100x8"], PROFILES["multinode"]
     assert {f.name for f in dataclasses.fields(a100) if getattr(a100, f.name) != getattr(multinode, f.name)} \
         <= placement
+
+
+@pytest.mark.parametrize("dtype, avx512, refused", [("fp8", False, True), ("fp8_e4m3", False, True),
+                                                    ("fp8", True, False), ("auto", False, False)])
+def test_an_fp8_kv_cache_on_a_cpu_without_avx512_or_amx_is_refused_naming_both(monkeypatch, dtype, avx512, refused):
+    import torch
+
+    from a3b_backend.engine.host import cpu_kv_cache_problem
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    problem = cpu_kv_cache_problem({"kv_cache_dtype": dtype})
+    assert (problem is not None) == refused
+    if refused:
+        assert f"kv_cache_dtype {dtype!r}" in problem and "AVX-512 or AMX" in problem

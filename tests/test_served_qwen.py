@@ -14,6 +14,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from a3b_backend.bench import perf_inputs, server_process
+from a3b_backend.engine.host import cpu_kv_cache_problem
 from a3b_backend.profiles import PROJECT_ROOT, get_profile
 from served import http_post, metric, scrape, sse_events, stream_infer, tensor, text_request, texts
 
@@ -26,6 +27,9 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Li
 
 @pytest.fixture(scope="module")
 def qwen_server(tmp_path_factory):
+    problem = cpu_kv_cache_problem(PROFILE.engine_args(PROJECT_ROOT))
+    if problem:
+        pytest.skip(f"the {PROFILE.name} profile cannot be served on this host: {problem}")
     try:
         srv = server_process.start(tmp_path_factory.mktemp("qwen-server") / "tritonserver.log",
                                    {"A3B_PROFILE": PROFILE.name})

@@ -16,6 +16,21 @@ from typing import Any, AsyncIterator, Callable, Coroutine
 log = logging.getLogger(__name__)
 
 
+def cpu_kv_cache_problem(engine_args: dict[str, Any]) -> str | None:
+    """Why vLLM's CPU backend cannot hold this KV cache here, or None: its fp8 KV cache needs
+    AVX-512 or AMX, and without them its workers die at startup behind a generic error."""
+    import torch
+
+    dtype = engine_args.get("kv_cache_dtype", "auto")
+    if not dtype.startswith("fp8") or torch.cuda.is_available():
+        return None
+    if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported():
+        return None
+    return (f"kv_cache_dtype {dtype!r} on vLLM's CPU backend needs a CPU with AVX-512 or AMX, and this one has "
+            "neither: serve this profile on a GPU host or an AVX-512 CPU, or choose a profile with "
+            "kv_cache_dtype 'auto'")
+
+
 class EngineHost:
     def __init__(self, engine_args: dict[str, Any], env: dict[str, str] | None = None,
                  stat_loggers: list | None = None, on_state: Callable[[bool], None] = lambda up: None,
@@ -75,6 +90,9 @@ class EngineHost:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        problem = cpu_kv_cache_problem(engine_args)
+        if problem:
+            raise RuntimeError(problem)
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args), stat_loggers=stat_loggers)
 
     def call(self, coro: Coroutine, timeout: float | None = None) -> Any:
