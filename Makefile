@@ -16,28 +16,29 @@ setup:
 	bash scripts/setup.sh
 
 # The bf16 checkpoint, then the served default: it in A3B with a3b-quantize's
-# defaults (1x128 blocks, the built-in varied calibration text, error-compensating
-# rounding, one tuning pass) but on 8,192 calibration tokens, not the converter's
-# 65,536: the 65,536-token checkpoint of today's text answers the served tests'
-# and the README's "What is the capital of France?" in broken French, this one
-# "Paris" on every prompt tried (make answer-margins; docs/quantization.md gives
-# both checkpoints' perplexity and conversion time).
+# defaults (1x128 blocks, the built-in varied calibration text, one decoder layer at
+# a time as the 35B model converts, error-compensating rounding) on 8,192 calibration
+# tokens, not the converter's 65,536 (a 65,536-token checkpoint of today's text answered
+# the served tests' and the README's "What is the capital of France?" in broken French),
+# tuned end to end for 3 epochs, not the default 1: "Paris" on every prompt tried, and
+# better in chat than the 65,536-token one (make answer-margins; docs/quantization.md).
 CALIBRATION_TOKENS ?= 8192
+MODEL_TUNE_EPOCHS ?= 3
 model: setup
 	$(PY) -m a3b_backend.prepare.smollm2 --out $(MODEL_DIR)
 	test -d $(MODEL_DIR)-a3b || $(PY) -m a3b_backend.quant.convert $(MODEL_DIR) $(MODEL_DIR)-a3b \
-	  --calibration-tokens $(CALIBRATION_TOKENS)
+	  --calibration-tokens $(CALIBRATION_TOKENS) --tune-epochs $(MODEL_TUNE_EPOCHS)
 
 # Qwen3.6-35B-A3B's architecture at toy width, random weights, and its A3B
 # conversion: the `qwen-tiny` profile's model (A3B_PROFILE=qwen-tiny make serve),
-# calibrated one decoder layer at a time, as the 35B model is (docs/quantization.md),
-# on 8,192 tokens: its random weights give calibration nothing to find at any budget
-# (make bench-qwen-fidelity), so the smaller budget saves make test's time.
+# as the 35B model converts but on 8,192 tokens and untuned: its random weights give
+# calibration nothing to find at any budget, and on them the end-to-end tune kept the
+# untuned weights (make bench-qwen-fidelity), so both save make test's time.
 QWEN_CALIBRATION_TOKENS ?= 8192
 model-qwen: setup
 	$(PY) -m a3b_backend.prepare.qwen_tiny --out $(QWEN_TINY_DIR)
 	test -d $(QWEN_TINY_DIR)-a3b || $(PY) -m a3b_backend.quant.convert $(QWEN_TINY_DIR) $(QWEN_TINY_DIR)-a3b \
-	  --calibration-tokens $(QWEN_CALIBRATION_TOKENS) --pipeline layers
+	  --calibration-tokens $(QWEN_CALIBRATION_TOKENS) --tune-epochs 0
 
 render: setup
 	$(PY) -m a3b_backend.deploy.repository
@@ -188,13 +189,13 @@ quant-tools:
 compare-quant: setup model quant-tools
 	$(PY) perf/quant_compare/compare.py
 
-# A3B's own rows of compare-quant (no llm-compressor needed): the default pipeline, untuned, the layer
-# pipeline untuned and tuned end to end, and uncalibrated, against bf16 through vLLM (perf/results/quant_compare/a3b/)
+# A3B's own rows of compare-quant (no llm-compressor needed): a3b-quantize's defaults (tuned end to end),
+# untuned, and uncalibrated, against bf16 through vLLM (perf/results/quant_compare/a3b/)
 compare-quant-a3b: setup model
-	$(PY) perf/quant_compare/compare.py --only bf16 A3B "A3B, no tuning" "A3B, layer pipeline" \
-		"A3B, layer pipeline, tuned end to end" "A3B uncalibrated" --out perf/results/quant_compare/a3b
+	$(PY) perf/quant_compare/compare.py --only bf16 A3B "A3B, no tuning" "A3B uncalibrated" \
+		--out perf/results/quant_compare/a3b
 
-# a3b-quantize --pipeline layers on random checkpoints of 2 and 4 layers at Qwen3.6-35B-A3B's real width:
+# a3b-quantize on random checkpoints of 2 and 4 layers at Qwen3.6-35B-A3B's real width:
 # peak RSS against layers, seconds per layer, rounding throughput, a 40-layer projection; then each tuned end to
 # end (--tune-epochs 1): its memory, its time by part and its projection (perf/results/convert_scale/)
 bench-convert-scale: setup model-qwen
@@ -211,12 +212,12 @@ bench-calibration-budget: setup model
 bench-block-tune: setup model
 	$(PY) perf/block_tune_sweep.py
 
-# the layer pipeline's end-to-end tuning (untuned, 1 and 3 epochs) against the whole model's, on SmolLM2
-# at make model's budget: perplexity on both held-out registers, held-out KL, times (perf/results/end_to_end_tune/)
+# a3b-quantize's end-to-end tuning by epochs (untuned, 1 and 3), on SmolLM2 at make model's budget:
+# perplexity on both held-out registers, held-out KL, times (perf/results/end_to_end_tune/)
 bench-end-to-end-tune: setup model
 	$(PY) perf/end_to_end_tune.py
 
-# qwen-tiny's A3B conversions (uncalibrated, both pipelines) against its source, as built and with
+# qwen-tiny's A3B conversions (uncalibrated, untuned, tuned) against its source, as built and with
 # outlier RMSNorm channels: excess NLL on sequences it samples (perf/results/qwen_fidelity/)
 bench-qwen-fidelity: setup model-qwen
 	$(PY) perf/qwen_fidelity.py

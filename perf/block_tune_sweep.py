@@ -41,7 +41,7 @@ SETTINGS = {
 
 def run(label: str, rounding: str, setting: dict, bar) -> list[dict]:
     tune_config = BlockTuneConfig(steps=STEPS, evaluate_every=EVALUATE_EVERY, **setting)
-    with calibration_file(None, False) as text:
+    with calibration_file(None) as text:
         windows = sequential.windows_of(SOURCE, text, TOKENS)
     source = sequential.Source.open(SOURCE)
     hidden, calls, layers = sequential.layer_inputs(sequential.skeleton(SOURCE), source, windows)

@@ -1,8 +1,8 @@
 """make bench-calibration-budget: what a smaller calibration budget costs.
 
-`make model` converts SmolLM2 with a3b-quantize's defaults, 65,536 calibration tokens of the
-built-in varied text; until this round it took 8,192, for make test's time. This converts the
-model at both budgets (each in a process of its own, timed) and gives each checkpoint's perplexity
+a3b-quantize's default budget is 65,536 calibration tokens of the built-in varied text; `make
+model` converts SmolLM2 on 8,192 (docs/quantization.md says why). This converts the model with
+a3b-quantize's defaults at both budgets (each in a process of its own, timed) and gives each checkpoint's perplexity
 on EVAL_TOKENS tokens of each held-out register (quality.REGISTERS: CPython's language reference,
 and the standard library's docstrings; neither calibrated on), dequantized into transformers in
 float32, beside the bf16 source's.
@@ -27,7 +27,7 @@ from a3b_backend.quant.quality import REGISTERS, perplexity
 SOURCE = PROJECT_ROOT / "models" / "smollm2-135m-instruct"
 WORK = PROJECT_ROOT / "models" / "calibration_budget"
 OUT = PROJECT_ROOT / "perf" / "results" / "calibration_budget"
-BUDGETS = (8192, 65536)  # make model's before this round, a3b-quantize's default (make model's now)
+BUDGETS = (8192, 65536)  # make model's, a3b-quantize's default
 EVAL_TOKENS = 8192
 SERVED = PROJECT_ROOT / "models" / "smollm2-135m-instruct-a3b"  # make model's checkpoint
 
@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     lines = ["# Calibration budgets: 8,192 tokens against a3b-quantize's default (SmolLM2-135M-Instruct)", "",
              f"Machine: {machine()}. Command: `{' '.join(['python', 'perf/calibration_budget.py', *(argv or sys.argv[1:])])}`"
              " (`make bench-calibration-budget` runs it without options). a3b-quantize's defaults (built-in "
-             "varied text, error-compensating rounding, one end-to-end tuning pass) at each budget; perplexity on "
+             "varied text, one decoder layer at a time, error-compensating rounding, one end-to-end tuning pass) "
+             "at each budget; perplexity on "
              f"{EVAL_TOKENS} tokens of each held-out register in windows of 512, float32 in transformers "
              "(the A3B weights dequantized).", "",
              "| checkpoint | " + "".join(f"perplexity, {register} | vs bf16 | " for register in REGISTERS)

@@ -1,4 +1,4 @@
-"""make bench-convert-scale: the layer pipeline (a3b-quantize --pipeline layers) on random
+"""make bench-convert-scale: the layer pipeline (a3b-quantize) on random
 checkpoints at Qwen3.6-35B-A3B's real layer width, to show its memory stays one layer's and
 to project the whole model's conversion time on this CPU and on a GPU host.
 
@@ -7,7 +7,7 @@ experts top-8 with intermediate 512, a shared expert of 512, Gated DeltaNet 16 Q
 heads of 128, gated attention 16 Q / 2 KV heads of 256, 3 DeltaNet layers to 1 attention
 layer) and the real vocabulary (248,320), in the published layout (model.language_model.*,
 stacked experts); they are written one layer at a time, never whole in memory. Each is
-converted in a process of its own with the pipeline's defaults (at the bench's 1,024 tokens
+converted in a process of its own with the pipeline's defaults but untuned (at the bench's 1,024 tokens
 an expert sees too few of its own for error-compensating rounding, so experts round nearest),
 and the report gives its peak RSS, the seconds per layer by phase (the conversion's own
 a3b/conversion.json), the rounding throughput of expert matrices, and a projection to 40
@@ -115,7 +115,7 @@ def convert(src: Path, dst: Path, tokens: int, device: str, text: Path | None, t
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "a3b_backend.quant.convert", str(src), str(dst),
                            *(["--calibration-text", str(text)] if text else []), "--calibration-tokens", str(tokens),
-                           "--pipeline", "layers", "--device", device, "--tune-epochs", str(tune_epochs)])
+                           "--device", device, "--tune-epochs", str(tune_epochs)])
     if done.returncode != 0:
         raise SystemExit(f"conversion of {src} failed")
     report = json.loads((dst / REPORT).read_text())
@@ -316,7 +316,7 @@ def plot(results: dict[int, dict], path: Path) -> None:
     ax.set_xlabel("decoder layers (Qwen3.6-35B-A3B width)")
     ax.set_ylabel("peak RSS, GiB")
     ax.set_ylim(bottom=0)
-    ax.set_title("a3b-quantize --pipeline layers")
+    ax.set_title("a3b-quantize, one decoder layer at a time")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -476,7 +476,7 @@ def report(data: dict) -> str:
         "Random checkpoints of real-width layers (hidden 2048, "
         "256 routed experts top-8 of intermediate 512, shared expert 512, DeltaNet 16/32 heads of 128, attention "
         "16Q/2KV of 256, vocabulary 248,320) in the published layout; each converted by `a3b-quantize "
-        f"--pipeline layers` (its defaults: error-compensating rounding, no tuning) on {tokens} "
+        f"--tune-epochs 0` (error-compensating rounding, untuned) on {tokens} "
         f"tokens of {data['calibration']}, in a process of its own. Peak RSS: the conversion process's own "
         "high-water mark (VmHWM).", "", *conversion_rows(results), ""]
     if large != small:

@@ -1,9 +1,9 @@
-"""make bench-end-to-end-tune: the layer pipeline's end-to-end tuning (quant/stream_tune.py) against
-the whole-model pipeline's, on SmolLM2 at make model's calibration budget.
+"""make bench-end-to-end-tune: a3b-quantize's end-to-end tuning (quant/stream_tune.py) by epochs, on
+SmolLM2 at make model's calibration budget.
 
 Each row is one a3b-quantize run in a process of its own (timed, from scratch) on the first TOKENS
-tokens of the built-in varied text: the whole-model pipeline's default (one tuning epoch), the
-layer pipeline untuned, and tuned for one and three epochs. Per row: perplexity on EVAL_TOKENS
+tokens of the built-in varied text: untuned, and tuned for one (the default) and three epochs
+(make model's). Per row: perplexity on EVAL_TOKENS
 tokens of each held-out register (quality.REGISTERS) in float32 in transformers, as make
 bench-calibration-budget measures, and what the checkpoint's config records of its tuning (the
 held-out KL before and after, the step kept, the tuning's seconds).
@@ -24,10 +24,9 @@ OUT = PROJECT_ROOT / "perf" / "results" / "end_to_end_tune"
 TOKENS = 8192  # make model's budget
 # label -> (checkpoint directory's name, a3b-quantize options)
 VARIANTS = {
-    "whole model, tuned 1 epoch (make model's settings)": ("whole-model", ["--pipeline", "model"]),
-    "layers, untuned": ("layers", ["--pipeline", "layers"]),
-    "layers, tuned end to end, 1 epoch": ("layers-1-epoch", ["--pipeline", "layers", "--tune-epochs", "1"]),
-    "layers, tuned end to end, 3 epochs": ("layers-3-epochs", ["--pipeline", "layers", "--tune-epochs", "3"]),
+    "untuned": ("layers", ["--tune-epochs", "0"]),
+    "tuned end to end, 1 epoch (the default)": ("layers-1-epoch", []),
+    "tuned end to end, 3 epochs (make model's)": ("layers-3-epochs", ["--tune-epochs", "3"]),
 }
 
 
@@ -46,11 +45,11 @@ def main(argv: list[str] | None = None) -> None:
     (OUT / "end_to_end_tune.json").write_text(json.dumps({"machine": machine(), "tokens": TOKENS, "rows": rows},
                                                          indent=1))
     base = rows["bf16 source"]["perplexity"]
-    lines = ["# End-to-end tuning, layer by layer, against the whole model's (SmolLM2-135M-Instruct)", "",
+    lines = ["# End-to-end tuning, layer by layer, by epochs (SmolLM2-135M-Instruct)", "",
              f"Machine: {machine()}. Command: `make bench-end-to-end-tune` (perf/end_to_end_tune.py). Each row is "
              f"a3b-quantize with those options on {TOKENS} tokens of the built-in varied text, from scratch, alone; "
              f"perplexity on {EVAL_TOKENS} tokens of each held-out register in windows of 512, float32 in "
-             "transformers (the A3B weights dequantized). Held-out KL: the layer pipeline's tuning's own score "
+             "transformers (the A3B weights dequantized). Held-out KL: the tuning's own score "
              "on every 8th calibration window, before tuning and as kept.", "",
              "| conversion | " + "".join(f"perplexity, {register} | vs bf16 | " for register in REGISTERS)
              + "held-out KL before / after | step kept / steps | tuning s | conversion s |",

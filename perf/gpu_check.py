@@ -8,7 +8,7 @@ Steps, in order, each timed; the run stops at the first failure and says which:
   2. tests/test_kernels_cuda.py (builds the CUDA C++ extension, checks it on fresh inputs);
   3. perf/gpu_kernels.py: every kernel against its reference, then the timings, to
      perf/results/gpu/ (md, JSON, PNG, with the device's name);
-  4. a3b-quantize --pipeline layers --device cuda on a tiny Qwen3.5-MoE checkpoint against the same
+  4. a3b-quantize --device cuda on a tiny Qwen3.5-MoE checkpoint against the same
      conversion on the CPU (tests/test_quant_sequential.py; its tokenizer fixture reads the default
      model's tokenizer files: carry models/smollm2-135m-instruct/tokenizer.json and tokenizer_config.json);
   5. the same at Qwen3.6-35B-A3B's real width: one random real-width layer converted on the GPU on

@@ -1,5 +1,6 @@
 """make bench-qwen-fidelity: how close each A3B conversion of qwen-tiny (Qwen3.6-35B-A3B's
-architecture at toy width) stays to its source, uncalibrated and calibrated by both pipelines.
+architecture at toy width) stays to its source, uncalibrated and calibrated: untuned, tuned end to
+end (a3b-quantize's default), tuned block-wise, and with experts' statistics from every token.
 
 qwen-tiny's weights are random, so perplexity on text means nothing. Instead: sequences the source
 samples itself (temperature 1, from its full distribution), and each conversion's excess negative
@@ -46,12 +47,10 @@ TUNE_STEPS = 60
 # label -> (checkpoint directory's name, a3b-quantize options)
 VARIANTS = {
     "uncalibrated": ("uncalibrated", ["--uncalibrated"]),
-    "whole model, no tuning": ("model-untuned", ["--pipeline", "model", "--tune-epochs", "0"]),
-    "whole model, tuned": ("model", ["--pipeline", "model"]),
-    "layers (the 35B path)": ("layers", ["--pipeline", "layers"]),
-    "layers, tuned end to end": ("layers-end-to-end", ["--pipeline", "layers", "--tune-epochs", "1"]),
-    "layers, tuned block-wise": ("layers-tuned", ["--pipeline", "layers", "--tune-steps", str(TUNE_STEPS)]),
-    "layers, experts on every token": ("layers-every-token", ["--pipeline", "layers", "--expert-tokens", "all"]),
+    "untuned (make model-qwen's)": ("untuned", ["--tune-epochs", "0"]),
+    "tuned end to end (the default)": ("end-to-end", []),
+    "tuned block-wise": ("block-wise", ["--tune-epochs", "0", "--tune-steps", str(TUNE_STEPS)]),
+    "untuned, experts on every token": ("every-token", ["--tune-epochs", "0", "--expert-tokens", "all"]),
 }
 
 

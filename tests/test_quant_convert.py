@@ -1,4 +1,5 @@
-"""Converter: dense Llama and MoE checkpoints (tiny random ones built here), refusals, atomic output."""
+"""Converter: dense Llama and MoE checkpoints (tiny random ones built here), uncalibrated and through
+the layer pipeline, refusals, atomic output."""
 import json
 from pathlib import Path
 
@@ -9,10 +10,10 @@ from safetensors.torch import load_file, save_file
 
 from a3b_backend.quant.checkpoint import INPUT_SCALES_FILE, ROW_DIVISORS_FILE
 
-from a3b_backend.quant.convert import ConversionError, convert, fold_norm_scale
+from a3b_backend.quant.convert import ConversionError, convert, fold_norm_scale, main
 from a3b_backend.quant.dequantized import float_model, stored_tensors
 from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
-from a3b_backend.quant.tune import TuneConfig
+from a3b_backend.quant.sequential import convert_layers
 
 CONFIG = A3BConfig(1, 32, iterations=2)  # the converter tests' quantizer
 
@@ -79,13 +80,15 @@ def test_calibrated_checkpoint_computes_what_the_source_does(tmp_path, tokenizer
     tokenizer.save_pretrained(src)
     text = tmp_path / "calib.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    dst = convert(src, tmp_path / "out", CONFIG, calibration_text=text, calibration_tokens=128, rounding="nearest")
+    dst = convert_layers(src, tmp_path / "out", CONFIG, text, 128, rounding="nearest")
     assert json.loads((dst / "config.json").read_text())["quantization_config"]["calibrated"] is True
     ids = torch.tensor([tokenizer.encode("A lazy dog sleeps in the sun all day.")])
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids).logits
         got = float_model(dst)(ids).logits
-    assert ((got - ref).norm() / ref.norm()) < 0.1
+    # quantization error of a tiny random model calibrated on one sentence, its quantized outputs passed
+    # on layer to layer: 0.11 on the Llama one (the folds themselves are checked exactly below)
+    assert ((got - ref).norm() / ref.norm()) < 0.15
     assert not torch.equal(tensors(dst)[norm], tensors(src)[norm])
     # the scales the norm absorbed are kept, one per linear reading it
     scales = load_file(dst / INPUT_SCALES_FILE)
@@ -106,9 +109,8 @@ def test_gptq_rounded_checkpoint_computes_what_the_source_does(tmp_path, tokeniz
     tokenizer.save_pretrained(src)
     text = tmp_path / "calib.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    nearest = convert(src, tmp_path / "nearest", CONFIG, calibration_text=text, calibration_tokens=128,
-                      rounding="nearest")
-    gptq = convert(src, tmp_path / "gptq", CONFIG, calibration_text=text, calibration_tokens=128)  # the default
+    nearest = convert_layers(src, tmp_path / "nearest", CONFIG, text, 128, rounding="nearest")
+    gptq = convert_layers(src, tmp_path / "gptq", CONFIG, text, 128)  # the default
     assert json.loads((gptq / "config.json").read_text())["quantization_config"]["rounding"] == "gptq"
     ids = torch.tensor([tokenizer.encode("A lazy dog sleeps in the sun all day.")])
     with torch.no_grad():
@@ -120,9 +122,6 @@ def test_gptq_rounded_checkpoint_computes_what_the_source_does(tmp_path, tokeniz
     name = "model.layers.0.mlp.down_proj.weight_packed" if model_type == "llama" else \
         "model.layers.1.self_attn.q_proj.weight_packed"
     assert not torch.equal(tensors(gptq)[name], tensors(nearest)[name])
-    expert = "model.layers.0.mlp.experts.1.gate_proj.weight_packed"
-    if model_type != "llama":  # routed experts keep nearest rounding
-        assert torch.equal(tensors(gptq)[expert], tensors(nearest)[expert])
 
 
 def test_refusals(tmp_path):
@@ -150,8 +149,27 @@ def test_refusals(tmp_path):
     with pytest.raises(ConversionError, match="no decoder layers found under any known layout"):
         convert(renamed, tmp_path / "out", CONFIG)
     assert not (tmp_path / "out").exists()
-    with pytest.raises(ConversionError, match="--rounding gptq needs --calibration-text"):
-        convert(src, tmp_path / "out", CONFIG, rounding="gptq")
+
+
+@pytest.mark.parametrize("options, named", [
+    (["--rounding", "gptq"], "cannot take --rounding gptq"),
+    (["--tune-epochs", "1"], "cannot take --tune-epochs"),
+    (["--tune-steps", "5", "--device", "cuda"], "cannot take --tune-steps, --device"),
+    (["--calibration-tokens", "512"], "cannot take --calibration-tokens"),
+])
+def test_options_that_need_calibration_are_refused_uncalibrated_naming_them(tmp_path, capsys, options, named):
+    src = tiny(tmp_path, "llama")
+    assert main([str(src), str(tmp_path / "out"), "--block-shape", "1", "32", "--cpu-only-blocks", "--uncalibrated",
+                 *options]) == 2
+    assert f"--uncalibrated runs no model, so it {named}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_removed_whole_model_pipeline_is_refused_naming_the_one_left(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main([str(tiny(tmp_path, "llama")), str(tmp_path / "out"), "--pipeline", "model"])
+    err = capsys.readouterr().err
+    assert "--pipeline: invalid choice: 'model'" in err and "layers" in err
 
 
 def test_failed_run_leaves_nothing_that_looks_complete(tmp_path):
@@ -321,8 +339,7 @@ def test_published_layout_calibrates_every_linear(tmp_path, tokenizer):
     text = tmp_path / "calib.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. A lazy dog sleeps in the sun all day. " * 30)
     plain = tensors(convert(src, tmp_path / "plain", CONFIG))
-    calibrated_dir = convert(src, tmp_path / "calibrated", CONFIG, calibration_text=text, calibration_tokens=256,
-                             rounding="nearest", tune_config=TuneConfig(epochs=0))
+    calibrated_dir = convert_layers(src, tmp_path / "calibrated", CONFIG, text, 256, rounding="nearest")
     calibrated = tensors(calibrated_dir)
     quantization = json.loads((calibrated_dir / "config.json").read_text())["quantization_config"]
     assert quantization["calibrated"] is True and quantization["experts_on_fallback"] >= 0
@@ -393,7 +410,7 @@ def test_chat_calibration_text_renders_each_document_as_one_exchange(tmp_path, m
 
 
 def test_the_config_records_which_calibration_text_ran(tmp_path, tokenizer):
-    from a3b_backend.quant.convert import BUILT_IN_FILES, main
+    from a3b_backend.quant.convert import BUILT_IN_FILES
 
     src = tiny(tmp_path, "llama", vocab_size=len(tokenizer))
     tokenizer.save_pretrained(src)
@@ -409,7 +426,6 @@ def test_the_config_records_which_calibration_text_ran(tmp_path, tokenizer):
 
 
 def test_chat_calibration_is_refused_with_a_text_of_ones_own(tmp_path, capsys):
-    from a3b_backend.quant.convert import main
 
     src = tiny(tmp_path, "llama")
     (tmp_path / "text.txt").write_text("some text " * 100)
@@ -427,7 +443,6 @@ def test_block_shapes_the_gpu_kernels_cannot_run_are_named(block, runs):
 
 
 def test_the_converter_refuses_a_block_shape_the_gpu_cannot_run_unless_asked(tmp_path, capsys):
-    from a3b_backend.quant.convert import main
 
     src = tiny(tmp_path, "llama")
     assert main([str(src), str(tmp_path / "out"), "--block-shape", "1", "32", "--uncalibrated"]) == 2

@@ -1,5 +1,5 @@
 """Layer-sequential conversion (a3b_backend/quant/sequential.py) on tiny random checkpoints: the
-layer runner against the whole model, the checkpoint it writes, resuming, refusals."""
+layer runner's statistics against the whole model's, the checkpoint it writes, resuming, refusals."""
 import hashlib
 import json
 import subprocess
@@ -85,27 +85,21 @@ def test_layer_pipeline_writes_a_checkpoint_that_computes_what_the_source_does(t
     assert quantization["calibrated"] is True and quantization["pipeline"] == "layers"
     assert quantization["calibration_text_sha256"] == hashlib.sha256(TEXT.encode()).hexdigest()
     got = tensors(dst)
-    whole = tensors(convert(src, tmp_path / "whole", CONFIG, calibration_text=text, calibration_tokens=512,
-                            rounding="nearest", tune_config=TuneConfig(epochs=0)))
-    assert set(got) == set(whole)  # the same tensors, names and layout as the whole-model pipeline
-    # the first layer saw the same inputs in both, so it is quantized alike
-    first = [n for n in whole if n.startswith("model.language_model.layers.0.") and n.endswith("_packed")]
-    assert first and all(torch.equal(got[n], whole[n]) for n in first)
+    plain = tensors(convert(src, tmp_path / "plain", CONFIG))
+    assert set(got) == set(plain)  # the same tensors, names and layout as the uncalibrated conversion
     assert not (dst / sequential.PROGRESS).exists() and not (dst / sequential.ACTIVATIONS).exists()
-    # tensors as the whole-model pipeline writes them, so its dequantizing loader reads them
+    # the dequantizing loader reads it
     text_only = tmp_path / "qwen3_5_moe_text"
     ids = torch.tensor([tokenizer.encode("A lazy dog sleeps in the sun all day.")])
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(text_only, dtype=torch.float32)(ids).logits
-        relative = {}
-        for name, out in (("layers", dst), ("whole", tmp_path / "whole")):
-            renamed = tmp_path / f"{name}-text-only"
-            renamed.mkdir()
-            save_file({n.replace("model.language_model.", "model.", 1): t for n, t in tensors(out).items()
-                       if not n.startswith("mtp.")}, renamed / "model.safetensors")
-            (renamed / "config.json").write_text((out / "config.json").read_text())
-            relative[name] = float((float_model(renamed)(ids).logits - ref).norm() / ref.norm())
-    assert relative["layers"] < 0.2 and relative["layers"] < 1.5 * relative["whole"]
+        renamed = tmp_path / "layers-text-only"
+        renamed.mkdir()
+        save_file({n.replace("model.language_model.", "model.", 1): t for n, t in got.items()
+                   if not n.startswith("mtp.")}, renamed / "model.safetensors")
+        (renamed / "config.json").write_text((dst / "config.json").read_text())
+        relative = float((float_model(renamed)(ids).logits - ref).norm() / ref.norm())
+    assert relative < 0.2
 
 
 def test_block_wise_tuning_brings_the_output_closer_to_the_source(tmp_path, tokenizer, text):
@@ -315,13 +309,11 @@ def test_refusals(tmp_path, tokenizer, text):
 
 
 @pytest.mark.parametrize("options, named", [
-    (["--tune-steps", "5"], "--tune-steps and --tune-inputs need --pipeline layers"),
-    (["--tune-inputs", "quantized"], "--tune-steps and --tune-inputs need --pipeline layers"),
-    (["--pipeline", "layers", "--tune-epochs", "-1"], "--tune-epochs -1: allowed are 0"),
-    (["--pipeline", "layers", "--tune-steps", "-1"], "--tune-steps -1: allowed are 0"),
+    (["--tune-epochs", "-1"], "--tune-epochs -1: allowed are 0"),
+    (["--tune-steps", "-1"], "--tune-steps -1: allowed are 0"),
     (["--pipeline", "layers", "--tune-inputs", "float"], "--tune-inputs float chooses what --tune-steps N tunes on"),
 ])
-def test_tuning_options_of_the_other_pipeline_are_refused_naming_them(tmp_path, tokenizer, text, capsys, options,
+def test_bad_tuning_options_are_refused_naming_them(tmp_path, tokenizer, text, capsys, options,
                                                                       named):
     src = checkpoint(tmp_path, tokenizer, "llama", {})
     assert main([str(src), str(tmp_path / "refused"), "--calibration-text", str(text), *options]) == 2
@@ -330,7 +322,7 @@ def test_tuning_options_of_the_other_pipeline_are_refused_naming_them(tmp_path, 
 
 def test_experts_calibrated_on_every_token_say_so_and_round_otherwise(tmp_path, tokenizer, text):
     """--expert-tokens all: no expert falls back, the config records it, the experts' codes differ
-    from the routed conversion's; the whole-model pipeline refuses the option."""
+    from the routed conversion's."""
     src = checkpoint(tmp_path, tokenizer, "qwen3_5_moe_text", QWEN35, published=True)
     routed = sequential.convert_layers(src, tmp_path / "routed", CONFIG, text, 512, rounding="nearest")
     every = sequential.convert_layers(src, tmp_path / "every", CONFIG, text, 512, rounding="nearest",
@@ -341,8 +333,6 @@ def test_experts_calibrated_on_every_token_say_so_and_round_otherwise(tmp_path, 
     got, base = tensors(every), tensors(routed)
     expert_codes = [n for n in got if ".experts." in n and n.endswith("_packed")]
     assert expert_codes and any(not torch.equal(got[n], base[n]) for n in expert_codes)
-    assert main([str(src), str(tmp_path / "refused"), "--calibration-text", str(text), "--expert-tokens", "all"]) == 2
-    assert not (tmp_path / "refused").exists()
 
 
 def test_a_device_this_host_lacks_is_refused_naming_it(tmp_path, tokenizer, text):

@@ -15,6 +15,7 @@ from a3b_backend.deploy import repository
 from a3b_backend.bench import server_process
 from a3b_backend.quant import calibrate
 from a3b_backend.quant.checkpoint import INPUT_SCALES_FILE, ROW_DIVISORS_FILE
+from a3b_backend.quant.dequantized import stored_tensors
 from a3b_backend.quant.format import A3BConfig, A3BWeight, dequantize
 from served import stream_infer, text_request, texts
 from a3b_backend.profiles import PROJECT_ROOT
@@ -75,7 +76,7 @@ def served_model_unfolded():
     config = json.loads((SERVED / "config.json").read_text())
     a3b = A3BConfig.from_json(config["quantization_config"])
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(SOURCE), dtype=torch.float32).eval()
-    stored = load_file(SERVED / "model.safetensors")
+    stored = stored_tensors(SERVED)
     scales, divisors = load_file(SERVED / INPUT_SCALES_FILE), load_file(SERVED / ROW_DIVISORS_FILE)
     # the linears of one norm share its scale
     norm_scale = {f"{calibrate.norm_for(m)}.weight": s for m, s in scales.items() if calibrate.FOLDABLE.search(m)}

@@ -1,9 +1,9 @@
-"""a3b-quantize: HF safetensors checkpoint -> A3B checkpoint, one tensor at a time.
+"""a3b-quantize: HF safetensors checkpoint -> A3B checkpoint, one decoder layer at a time.
 
-    a3b-quantize SRC_DIR DST_DIR [--block-shape R C] [--calibration-text FILE | --uncalibrated]
+    a3b-quantize SRC_DIR DST_DIR [--block-shape R C] [--calibration-text FILE | --calibration-chat]
                  [--calibration-tokens N] [--rounding nearest|gptq] [--tune-epochs N]
-                 [--pipeline model|layers [--device cuda] [--expert-tokens routed|all]
-                                          [--tune-steps N [--tune-inputs float|quantized]]]
+                 [--device cuda] [--expert-tokens routed|all] [--tune-steps N [--tune-inputs float|quantized]]
+    a3b-quantize SRC_DIR DST_DIR --uncalibrated [--block-shape R C]
 
 Linear weights of the decoder layers (attention, MLP, MoE experts, shared
 experts, Gated DeltaNet projections) become A3B tensors; embeddings, norms,
@@ -12,39 +12,32 @@ tower and everything else are copied as they are. Routed experts stored
 stacked (Qwen3.5/3.6's `mlp.experts.gate_up_proj` [E, 2I, H] and
 `mlp.experts.down_proj` [E, H, I]) are written per expert
 (`mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`), the layout vLLM's
-expert loaders and the `a3b` MoE method read. Tensors are
-read and written shard by shard, so memory holds one shard, not the model.
-Calibrated by default: over the first --calibration-tokens (65,536) tokens of
---calibration-text FILE, or of the built-in varied text (the licence texts and
-the installed Python packages' READMEs, calibrate.broad_calibration_text(); its
-sha256 follows the installed packages and is recorded in the checkpoint's
-config), the source model is run once (this needs it in memory; --pipeline
-layers needs one layer) for activation statistics: importance-weighted fits for
-every layer, AWQ scales (alpha searched per layer group) where they fold into
-an RMSNorm, and for each MLP's down_proj, folded into its up_proj's rows.
-Folding divides those layers' inputs by the scale, so the scales are kept
-(`INPUT_SCALES_FILE`, per linear, and `ROW_DIVISORS_FILE`, per up_proj): a
-LoRA adapter trained on the source model reads them to see the inputs and
-give the outputs it was trained on (a3b_backend/serving/lora.py).
-With calibration the codes are chosen by error-compensating rounding (GPTQ's
-column order on each linear's input Hessian, a3b_backend/quant/gptq.py; it won
-`make compare-quant` on its varied 128 x 512-token calibration text and lost on
-the licence texts alone); --rounding nearest keeps each fitted table's nearest
-entry, does better on one narrow text, and is the only choice without
-calibration. Routed experts are fitted on their own statistics (the tokens
-the model routes to each, a3b_backend/quant/calibrate.py); here they keep
-nearest rounding, while --pipeline layers rounds each error-compensating on
-its own tokens where it saw enough (a3b_backend/quant/experts.py).
-Checkpoint and model names meet through one resolver (a3b_backend/quant/names.py),
-and a calibrated conversion refuses a linear calibration gave no statistics. Then the quantized linears'
-metadata (row scales and block codes) and the norms' AWQ scales are tuned end
-to end against the source model over the same text (--tune-epochs passes,
-a3b_backend/quant/tune.py; 0 skips it; routed experts stored stacked keep
-their fitted metadata). --pipeline layers runs the same tune one decoder layer
-at a time (--tune-epochs, a3b_backend/quant/stream_tune.py; off by default
-there), and can tune each layer's dense linears' rounding and metadata
-block-wise (--tune-steps, AutoRound's recipe, a3b_backend/quant/block_tune.py;
-off by default).
+expert loaders and the `a3b` MoE method read.
+
+One pipeline for every model, from SmolLM2-135M to Qwen3.6-35B-A3B
+(a3b_backend/quant/sequential.py): one decoder layer in memory at a time,
+resumable after an interruption. Over the first --calibration-tokens (65,536)
+tokens of --calibration-text FILE, or of the built-in varied text (the licence
+texts and the installed Python packages' READMEs,
+calibrate.broad_calibration_text(); its sha256 follows the installed packages
+and is recorded in the checkpoint's config), each layer is run for activation
+statistics: importance-weighted fits, AWQ scales (alpha searched per layer
+group) where they fold into an RMSNorm, and for each MLP's down_proj, folded
+into its up_proj's rows. Folding divides those layers' inputs by the scale, so
+the scales are kept (`INPUT_SCALES_FILE`, per linear, and `ROW_DIVISORS_FILE`,
+per up_proj): a LoRA adapter trained on the source model reads them to see the
+inputs and give the outputs it was trained on (a3b_backend/serving/lora.py).
+The codes are chosen by error-compensating rounding (GPTQ's column order on
+each linear's input Hessian, a3b_backend/quant/gptq.py; routed experts each on
+their own tokens where they saw enough, a3b_backend/quant/experts.py);
+--rounding nearest keeps each fitted table's nearest entry. Then the quantized
+linears' metadata and the norms' AWQ scales are tuned end to end against the
+source model over the same text, one layer built at a time (--tune-epochs
+passes, default 1; 0 skips it; a3b_backend/quant/stream_tune.py); --tune-steps
+tunes each layer's dense linears' rounding and metadata block-wise first
+(AutoRound's recipe, a3b_backend/quant/block_tune.py; off by default).
+--uncalibrated writes each linear's nearest rounding on its own weights,
+tensor by tensor, with no model run (much worse; for tests and comparisons).
 
 The result is written to DST_DIR.partial and renamed to DST_DIR only when
 complete, so a failed run never leaves a checkpoint that looks whole.
@@ -53,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import hashlib
 import json
@@ -74,9 +66,9 @@ from a3b_backend.quant.checkpoint import COPIED_FILES, INPUT_SCALES_FILE, ROW_DI
 from a3b_backend.quant.format import (A3BConfig, A3BWeight, QuantizationError, dequantize, gpu_block_problem,
                                       quantize)
 from a3b_backend.quant.gptq import quantize_gptq
-from a3b_backend.quant.names import OUTSIDE_TEXT_MODEL, TEXT_ONLY, Layout, LayoutError, layout_of
+from a3b_backend.quant.names import OUTSIDE_TEXT_MODEL, LayoutError, layout_of
 from a3b_backend.quant.block_tune import BlockTuneConfig, TuneInputs
-from a3b_backend.quant.tune import TuneConfig, tune
+from a3b_backend.quant.tune import TuneConfig
 
 KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 # Experts stored stacked as 3-D tensors [experts, out, in] in some checkpoints.
@@ -100,7 +92,6 @@ class LinearCalibration:
     scale: torch.Tensor | None = None  # AWQ scale folded into what produces the input (an RMSNorm or up_proj)
     hessian: torch.Tensor | None = None  # E[x x^T], for gptq rounding
     row_divisor: torch.Tensor | None = None  # up_proj: the next down_proj's AWQ scale, divided out of its rows
-    tuned: A3BWeight | None = None  # the weight quantized, its metadata tuned end to end
 
     def scaled(self, weight: torch.Tensor) -> tuple[torch.Tensor, "LinearCalibration"]:
         """The weight the checkpoint stores and the statistics of the inputs it then reads (x / scale)."""
@@ -139,17 +130,6 @@ def check_paths(src: Path, dst: Path) -> dict:
     if "quantization_config" in config:
         raise ConversionError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
     return config
-
-
-@dataclasses.dataclass(frozen=True)
-class Calibration:
-    """What calibration hands the conversion, keyed by the loaded model's module names."""
-    linears: dict[str, LinearCalibration]
-    norm_scales: dict[str, torch.Tensor]  # per RMSNorm: the AWQ scale its weight divides by
-    experts_on_fallback: int = 0  # routed experts that saw too few tokens and took their block's statistics
-
-
-NO_CALIBRATION = Calibration({}, {})
 
 
 def calibration_ids(src: Path, text_path: Path, tokens: int) -> torch.Tensor:
@@ -200,37 +180,6 @@ def write_side_files(src: Path, partial: Path, model_config: dict, quantization:
             shutil.copy2(src / fname, partial / fname)
 
 
-def calibration_transform(src: Path, text_path: Path, tokens: int, config: A3BConfig,
-                          rounding: Rounding = "nearest", tune_config: TuneConfig = TuneConfig(),
-                          zero_centred_norms: bool = False) -> Calibration:
-    """Per-linear statistics, AWQ scales and tuned weights, and per-norm scales to divide by."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval().requires_grad_(False)
-    ids = calibration_ids(src, text_path, tokens)
-    stats = calibrate.collect(model, ids, hessians=rounding == "gptq")
-    experts_on_fallback = calibrate.fill_expert_fallbacks(stats, model)
-    linears = calibrate.quantized_linears(model)
-    per_linear, per_norm = awq_calibration(stats, {name: linear.weight for name, linear in linears.items()}, config)
-    norm_groups = calibrate.groups(list(stats))
-    if tune_config.epochs > 0:
-        student = copy.deepcopy(model)
-        stored_dtype = AutoConfig.from_pretrained(src).dtype
-        with torch.no_grad():
-            for norm, scale in per_norm.items():  # the norms as the checkpoint stores them
-                weight = student.get_parameter(f"{norm}.weight")
-                weight.copy_(fold_norm_scale(weight.to(stored_dtype), scale, zero_centred_norms).float())
-        weights = {name: quantize_linear(f"{name}.weight", linear.weight, config, per_linear)
-                   for name, linear in tqdm(linears.items(), desc="quantizing to tune", unit="linear")}
-        tuned = tune(model, student, weights, config, ids, tune_config, tuple(per_norm), zero_centred_norms)
-        per_linear.update({name: dataclasses.replace(per_linear[name], tuned=w) for name, w in tuned.weights.items()})
-        for norm, gain in tuned.norm_gains.items():  # the norm's output times gain: its AWQ scale over gain
-            per_norm[norm] = per_norm[norm] / gain
-            for member in norm_groups[norm]:
-                per_linear[member] = dataclasses.replace(per_linear[member], scale=per_norm[norm])
-    return Calibration(per_linear, per_norm, experts_on_fallback)
-
-
 def awq_calibration(stats: dict[str, calibrate.ChannelStats], weights: dict[str, torch.Tensor], config: A3BConfig,
                     progress: bool = True) -> tuple[dict[str, LinearCalibration], dict[str, torch.Tensor]]:
     """Per-linear calibration from statistics, with the AWQ scales searched for each RMSNorm's group
@@ -265,8 +214,6 @@ def quantize_linear(name: str, tensor: torch.Tensor, config: A3BConfig,
             raise ConversionError(f"calibration gave no statistics for the linear {name} (module {module} of the "
                                   f"loaded model): the checkpoint's names and the model's do not meet")
         return quantize(tensor.float(), config, name=name)
-    if found.tuned is not None:
-        return found.tuned
     w, stats = found.scaled(tensor.float())
     if stats.hessian is not None:
         return quantize_gptq(w, config, stats.hessian, name=name)
@@ -292,43 +239,29 @@ def fold_norm_scale(norm: torch.Tensor, scale: torch.Tensor, zero_centred: bool)
     return ((1 + w) / scale - 1 if zero_centred else w / scale).to(norm.dtype)
 
 
-def convert_tensor(name: str, tensor: torch.Tensor, config: A3BConfig, calibration: Calibration = NO_CALIBRATION,
-                   zero_centred_norms: bool = False, layout: Layout = TEXT_ONLY) -> tuple[dict[str, torch.Tensor], int]:
-    """A checkpoint tensor -> (output tensors, number of weights quantized)."""
+def convert_tensor(name: str, tensor: torch.Tensor, config: A3BConfig) -> tuple[dict[str, torch.Tensor], int]:
+    """A checkpoint tensor, uncalibrated -> (output tensors, number of weights quantized)."""
     checkpoint_module = name.removesuffix(".weight")
     if tensor.ndim == 3 and STACKED_EXPERTS.search(name) and not OUTSIDE_TEXT_MODEL.match(name):
         out, count = {}, 0
         for expert_name, weight in per_expert(name, tensor).items():
-            tensors, n = convert_tensor(expert_name, weight, config, calibration, zero_centred_norms, layout)
+            tensors, n = convert_tensor(expert_name, weight, config)
             out.update(tensors)
             count += n
         return out, count
-    module = layout.module(checkpoint_module)
     if name.endswith(".weight") and tensor.ndim == 2 and calibrate.is_quantized(checkpoint_module):
-        return quantize_linear(name, tensor, config, calibration.linears, module).tensors(name), tensor.numel()
-    if module in calibration.norm_scales:
-        return {name: fold_norm_scale(tensor, calibration.norm_scales[module], zero_centred_norms)}, 0
+        return quantize(tensor.float(), config, name=name).tensors(name), tensor.numel()
     return {name: tensor}, 0
 
 
-def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | None = None,
-            calibration_tokens: int = 2048, rounding: Rounding | None = None, tune_config: TuneConfig = TuneConfig()
-            ) -> Path:
-    """`rounding` None: gptq with calibration, nearest without."""
+def convert(src: Path, dst: Path, config: A3BConfig) -> Path:
+    """`--uncalibrated`: each linear to its nearest rounding on its own weights, one shard at a time."""
     model_config = check_paths(src, dst)
-    rounding = rounding or ("nearest" if calibration_text is None else "gptq")
-    zero_centred = model_config.get("model_type") in ZERO_CENTRED_NORMS
-    calibration = NO_CALIBRATION
-    if rounding == "gptq" and calibration_text is None:
-        raise ConversionError("--rounding gptq needs --calibration-text (its Hessians come from calibration)")
     shards = sorted(src.glob("*.safetensors"))
     try:
-        layout = layout_of(name for shard in shards for name in _names(shard))
+        layout_of(name for shard in shards for name in _names(shard))  # a checkpoint of a known layout
     except LayoutError as exc:
         raise ConversionError(f"{src}: {exc}") from None
-    if calibration_text is not None:
-        calibration = calibration_transform(src, calibration_text, calibration_tokens, config, rounding, tune_config,
-                                            zero_centred)
     with checkpoint.building(dst) as partial:
         index, total, quantized_weights, linears = {}, 0, 0, 0
         with tqdm(total=sum(len(_names(s)) for s in shards), desc="quantizing", unit="tensor") as bar:
@@ -336,8 +269,7 @@ def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | No
                 out: dict[str, torch.Tensor] = {}
                 with safe_open(shard, "pt") as f:
                     for name in f.keys():
-                        tensors, n = convert_tensor(name, f.get_tensor(name), config, calibration, zero_centred,
-                                                    layout)
+                        tensors, n = convert_tensor(name, f.get_tensor(name), config)
                         out.update(tensors)
                         quantized_weights += n
                         bar.update()
@@ -350,16 +282,9 @@ def convert(src: Path, dst: Path, config: A3BConfig, calibration_text: Path | No
         if len(shards) > 1:
             (partial / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1))
-        calibrated = calibration_text is not None
-        quantization = quantization_config(
-            config, rounding, tune_config.epochs if calibrated else 0,
-            calibration_record(calibration_text, calibration_tokens, calibration.experts_on_fallback)
-            if calibrated else None)
-        write_side_files(src, partial, model_config, quantization, folded_scales(calibration.linears))
-    print(f"{dst}: {linears} linears quantized ({quantized_weights / 1e6:.1f} M weights), "
-          + (f"each on its own calibration statistics ({layout.name} layout); {calibration.experts_on_fallback} "
-             f"routed experts saw fewer than {calibrate.MIN_EXPERT_TOKENS} tokens and took their MoE block's"
-             if calibration_text is not None else "uncalibrated"))
+        write_side_files(src, partial, model_config, quantization_config(config, "nearest", 0, None),
+                         folded_scales({}))
+    print(f"{dst}: {linears} linears quantized ({quantized_weights / 1e6:.1f} M weights), uncalibrated")
     return dst
 
 
@@ -376,14 +301,10 @@ BUILT_IN_FILES = {"plain": "built-in.txt", "chat": "built-in-as-chat-exchanges.t
 
 
 @contextlib.contextmanager
-def calibration_file(path: Path | None, uncalibrated: bool, chat_tokenizer: Path | None = None
-                     ) -> Iterator[Path | None]:
+def calibration_file(path: Path | None, chat_tokenizer: Path | None = None) -> Iterator[Path]:
     """The calibration text as a file: `path`, or the built-in varied text (the licence texts and the
     installed packages' READMEs) written to a temporary one, with `chat_tokenizer` (a model directory)
-    each document as a chat exchange in that model's template; None when asked for no calibration."""
-    if uncalibrated:
-        yield None
-        return
+    each document as a chat exchange in that model's template."""
     if path is not None:
         yield path
         return
@@ -428,26 +349,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="gptq (the default with calibration): error-compensating rounding in column "
                              "order; nearest (the only choice with --uncalibrated)")
     parser.add_argument("--tune-epochs", type=int,
-                        help=f"passes over the calibration text tuning the metadata end to end (--pipeline "
-                             f"model: default {TuneConfig.epochs}; --pipeline layers, one layer in memory at a time "
-                             f"(a3b_backend/quant/stream_tune.py): default 0); 0: none")
+                        help=f"passes over the calibration text tuning the metadata end to end, one layer in memory "
+                             f"at a time (a3b_backend/quant/stream_tune.py; default {TuneConfig.epochs}); 0: none")
     parser.add_argument("--tune-steps", type=int,
-                        help="--pipeline layers: steps per layer tuning its rounding and metadata block-wise, "
-                             "AutoRound's recipe (a3b_backend/quant/block_tune.py; AutoRound takes 200); default 0, "
-                             "none: on SmolLM2 it never beat the error-compensating rounding on held-out windows")
+                        help="steps per layer tuning its rounding and metadata block-wise, AutoRound's recipe "
+                             "(a3b_backend/quant/block_tune.py; AutoRound takes 200); default 0, none: on SmolLM2 "
+                             "it never beat the error-compensating rounding on held-out windows")
     parser.add_argument("--tune-inputs", choices=get_args(TuneInputs),
-                        help=f"--pipeline layers with --tune-steps: tune each layer on the float chain's hidden "
-                             f"states or on the quantized layers' outputs passed on (default {BlockTuneConfig.inputs})")
+                        help=f"with --tune-steps: tune each layer on the float chain's hidden states or on the "
+                             f"quantized layers' outputs passed on (default {BlockTuneConfig.inputs})")
     parser.add_argument("--device", default="cpu",
-                        help="--pipeline layers: where each layer is calibrated and rounded, cpu or cuda[:N] "
-                             "(default cpu)")
+                        help="where each layer is calibrated, rounded and tuned, cpu or cuda[:N] (default cpu)")
     parser.add_argument("--expert-tokens", choices=("routed", "all"), default="routed",
-                        help="--pipeline layers: each routed expert's statistics from the tokens the model routes "
-                             "to it (default), or from every token, as if all were routed to it (statistics only)")
-    parser.add_argument("--pipeline", choices=("model", "layers"), default="model",
-                        help="model: calibrate with the whole model in memory (and tune end to end); layers: one "
-                             "decoder layer at a time in bounded memory, resumable, tuned end to end with "
-                             "--tune-epochs N (a3b_backend/quant/sequential.py)")
+                        help="each routed expert's statistics from the tokens the model routes to it (default), "
+                             "or from every token, as if all were routed to it (statistics only)")
+    parser.add_argument("--pipeline", choices=("layers",),
+                        help="the one pipeline, one decoder layer at a time (accepted so that commands naming it "
+                             "still run; the whole-model pipeline, `model`, was removed: docs/quantization.md)")
     args = parser.parse_args(argv)
     try:
         config = A3BConfig(args.block_shape[0], args.block_shape[1], iterations=args.iterations)
@@ -457,11 +375,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.calibration_chat and (args.calibration_text or args.uncalibrated):
             raise ConversionError("--calibration-chat renders the built-in text; it cannot take "
                                   f"{'--calibration-text' if args.calibration_text else '--uncalibrated'}")
-        if args.pipeline == "layers" and args.uncalibrated:
-            raise ConversionError("--pipeline layers calibrates: it cannot run --uncalibrated")
-        if args.pipeline == "model" and (args.tune_steps is not None or args.tune_inputs is not None):
-            raise ConversionError("--tune-steps and --tune-inputs need --pipeline layers (the whole-model pipeline "
-                                  "tunes end to end: --tune-epochs)")
         if args.tune_epochs is not None and args.tune_epochs < 0:
             raise ConversionError(f"--tune-epochs {args.tune_epochs}: allowed are 0 (no tuning) or more")
         if args.tune_steps is not None and args.tune_steps < 0:
@@ -469,23 +382,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.tune_inputs is not None and not args.tune_steps:
             raise ConversionError(f"--tune-inputs {args.tune_inputs} chooses what --tune-steps N tunes on: give "
                                   "--tune-steps N > 0 with it")
-        if args.pipeline == "model" and args.expert_tokens != "routed":
-            raise ConversionError(f"--expert-tokens {args.expert_tokens} needs --pipeline layers")
-        if args.pipeline == "model" and args.device != "cpu":
-            raise ConversionError(f"--device {args.device} needs --pipeline layers (the whole-model pipeline runs "
-                                  "on the CPU)")
-        with calibration_file(args.calibration_text, args.uncalibrated,
-                              args.src if args.calibration_chat else None) as text:
-            if args.pipeline == "layers":
-                from a3b_backend.quant.sequential import convert_layers
+        if args.uncalibrated:
+            calibrated_only = [flag for flag, given in (
+                ("--calibration-tokens", args.calibration_tokens != DEFAULT_CALIBRATION_TOKENS),
+                ("--rounding gptq", args.rounding == "gptq"), ("--tune-epochs", args.tune_epochs),
+                ("--tune-steps", args.tune_steps), ("--device", args.device != "cpu"),
+                ("--expert-tokens", args.expert_tokens != "routed")) if given]
+            if calibrated_only:
+                raise ConversionError(f"--uncalibrated runs no model, so it cannot take {', '.join(calibrated_only)}"
+                                      f": the tuning and error-compensating rounding need calibration")
+            convert(args.src, args.dst, config)
+        else:
+            from a3b_backend.quant.sequential import convert_layers
 
+            with calibration_file(args.calibration_text, args.src if args.calibration_chat else None) as text:
                 convert_layers(args.src, args.dst, config, text, args.calibration_tokens, args.rounding or "gptq",
                                BlockTuneConfig(**({} if args.tune_steps is None else {"steps": args.tune_steps}),
                                                inputs=args.tune_inputs or BlockTuneConfig.inputs), args.device,
-                               args.expert_tokens == "all", TuneConfig(epochs=args.tune_epochs or 0))
-            else:
-                convert(args.src, args.dst, config, text, args.calibration_tokens, args.rounding,
-                        TuneConfig() if args.tune_epochs is None else TuneConfig(epochs=args.tune_epochs))
+                               args.expert_tokens == "all",
+                               TuneConfig() if args.tune_epochs is None else TuneConfig(epochs=args.tune_epochs))
     except (ConversionError, QuantizationError) as exc:
         print(f"a3b-quantize: error: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Layer-sequential calibration and conversion (`a3b-quantize --pipeline layers`): the model
+"""Layer-sequential calibration and conversion (`a3b-quantize`'s one pipeline): the model
 converted one decoder layer at a time, in the memory of one layer plus the calibration
 activations, in the order llm-compressor's sequential pipeline, AutoRound and GPTQModel use.
 
@@ -17,8 +17,8 @@ activations, in the order llm-compressor's sequential pipeline, AutoRound and GP
    the quantized layer again (as llm-compressor does by default), and when tuned on those
    (--tune-inputs quantized) the float chain is carried beside them. Then the layer is freed.
    Routed experts are rounded in groups on their own tokens (quant/experts.py) and keep their
-   fitted metadata, as in the whole-model tune.
-3. With --tune-epochs N, the converted layers are tuned end to end against the source, one layer
+   fitted metadata.
+3. With --tune-epochs N (a3b-quantize's default 1), the converted layers are tuned end to end against the source, one layer
    built at a time (quant/stream_tune.py): the float chain is carried beside the quantized one
    through step 2 for its last hidden states, the teacher's.
 4. The rest (embedding, final norm, lm_head, an MTP layer, a vision tower) is copied as stored.
@@ -322,7 +322,7 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
 
 
 def windows_of(src: Path, text_path: Path, tokens: int) -> list[torch.Tensor]:
-    """The calibration tokens in windows of SEQ_LEN, as the whole-model pipeline runs them."""
+    """The calibration tokens in windows of SEQ_LEN."""
     ids = calibration_ids(src, text_path, tokens)
     return [ids[start:start + SEQ_LEN] for start in range(0, tokens, SEQ_LEN)]
 

@@ -1,16 +1,16 @@
-"""End-to-end tuning in the layer pipeline's memory (`a3b-quantize --pipeline layers --tune-epochs N`).
+"""End-to-end tuning in the layer pipeline's memory (`a3b-quantize --tune-epochs N`, default 1).
 
-quant/tune.py fits the quantized linears' metadata and the AWQ norms' gains so that the whole
-student's next-token distribution follows the source's, with both models in memory. This runs
-the same optimisation over the converted layers' shards with one decoder layer built at a time
-(activation checkpointing at layer boundaries):
+The quantized linears' metadata and the AWQ norms' gains (quant/tune.py's TunedLinear and
+NormGain) are fitted so that the whole student's next-token distribution follows the source's,
+over the converted layers' shards with one decoder layer built at a time (activation
+checkpointing at layer boundaries), never the whole model in memory:
 - the teacher's distribution: the float chain's last hidden states, carried beside the quantized
   chain through the conversion, through the final norm and lm_head;
 - a step: one calibration window forward through the layers, each built from its shard (its
   dense linears as TunedLinears and its AWQ norms' gains, kept in memory between uses: packed
   codes and metadata; every other tensor read again), keeping each layer's input; the KL at the
   head; then backward from the last layer, each layer's forward recomputed from its input and the
-  gradient handed down; then one Adam step over every layer's parameters, as tune.tune takes;
+  gradient handed down; then one Adam step over every layer's parameters (tune.make_optimizer's);
 - held-out windows (every HELD_OUT_EVERY-th, not trained on) score the KL before tuning and at
   each evaluation, all of them through a layer once it is built, and the best evaluation is kept,
   the untuned one included: the tuning never ends worse on them than the untuned conversion.

@@ -1,4 +1,5 @@
-"""End-to-end tuning of A3B's metadata by distillation from the source model.
+"""The parts of end-to-end tuning of A3B's metadata by distillation from the source model
+(run one layer in memory at a time by quant/stream_tune.py).
 
 An A3B weight is `lo + level * step +- delta` per block, with `lo`, `step`
 and `delta` stored as int8/uint8 codes against two bf16 scales per block row,
@@ -19,8 +20,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch.nn.utils import parametrize
-from tqdm import tqdm
 
 from a3b_backend.quant.format import CODE_RANGES, A3BConfig, A3BWeight, lookup
 
@@ -96,22 +95,6 @@ class NormGain(torch.nn.Module):
         return weight * self.log_gain.exp()
 
 
-@dataclasses.dataclass
-class Tuned:
-    weights: dict[str, A3BWeight]
-    norm_gains: dict[str, torch.Tensor]  # per tuned norm: the factor its output gained
-
-
-def _install(model: torch.nn.Module, weights: dict[str, A3BWeight], config: A3BConfig, tune_config: TuneConfig
-             ) -> dict[str, TunedLinear]:
-    """Each named linear of `model` replaced by a TunedLinear of its A3B weight."""
-    layers = {name: TunedLinear(w, config, tune_config.block_codes_lr > 0) for name, w in weights.items()}
-    for name, layer in layers.items():
-        parent, attr = name.rsplit(".", 1)
-        setattr(model.get_submodule(parent), attr, layer)
-    return layers
-
-
 def make_optimizer(layers: dict[str, TunedLinear], gains: dict[str, NormGain], tune_config: TuneConfig, steps: int):
     groups = [{"params": [layer.log_gain for layer in layers.values()]
                + [gain.log_gain for gain in gains.values()], "lr": tune_config.lr}]
@@ -121,46 +104,7 @@ def make_optimizer(layers: dict[str, TunedLinear], gains: dict[str, NormGain], t
     return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
 
 
-def _step(optimizer, schedule, loss: torch.Tensor) -> None:
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-    schedule.step()
-
-
 def kl_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
     """KL(teacher || student), summed over the vocabulary, averaged over tokens."""
     return torch.nn.functional.kl_div(student_logits.float().log_softmax(-1), teacher_logits.float().log_softmax(-1),
                                       log_target=True, reduction="sum") / student_logits[..., 0].numel()
-
-
-def tune(teacher: torch.nn.Module, student: torch.nn.Module, weights: dict[str, A3BWeight], config: A3BConfig,
-         token_ids: torch.Tensor, tune_config: TuneConfig = TuneConfig(), norms: tuple[str, ...] = (),
-         zero_centred_norms: bool = False) -> Tuned:
-    """`student` (the source architecture holding what the checkpoint stores outside the
-    quantized linears) gets each named linear replaced by its A3B weight; their
-    metadata and the named norms' gains are fitted so its
-    next-token distribution over `token_ids` follows `teacher`'s."""
-    teacher.eval().requires_grad_(False)
-    student.eval().requires_grad_(False)
-    layers = _install(student, weights, config, tune_config)
-    gains = {}
-    for norm in norms:
-        module = student.get_submodule(norm)
-        gains[norm] = NormGain(module.weight.numel(), zero_centred_norms)
-        parametrize.register_parametrization(module, "weight", gains[norm])
-    windows = [token_ids[i:i + tune_config.seq_len] for i in range(0, token_ids.numel() - 1, tune_config.seq_len)]
-    steps = tune_config.epochs * len(windows)
-    optimizer, schedule = make_optimizer(layers, gains, tune_config, steps)
-    with tqdm(range(steps), desc="tuning A3B metadata", unit="window") as bar:
-        for step in bar:
-            window = windows[step % len(windows)].unsqueeze(0)
-            with torch.no_grad():
-                target = teacher(window).logits
-            loss = kl_per_token(student(window).logits, target)
-            _step(optimizer, schedule, loss)
-            bar.set_postfix(kl=f"{loss.item():.4f}")
-    return Tuned({name: layer.stored(weights[name]) for name, layer in layers.items()},
-                 {norm: gain.log_gain.detach().exp() for norm, gain in gains.items()})
-
-

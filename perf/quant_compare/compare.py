@@ -5,16 +5,13 @@ vLLM, side by side on the default model (`make compare-quant`).
 
 Variants (checkpoints under models/quant_compare/, built once, with progress):
   bf16            the default model's checkpoint
-  A3B             a3b-quantize's defaults (1x128 blocks, error-compensating rounding)
-                  calibrated on the shared budget
+  A3B             a3b-quantize's defaults (1x128 blocks, one decoder layer at a time,
+                  error-compensating rounding, tuned end to end one epoch:
+                  quant/stream_tune.py) calibrated on the shared budget
   A3B, no tuning  the same with --tune-epochs 0 (no end-to-end metadata tuning)
-  A3B, layer pipeline  the same rounding by --pipeline layers (one decoder layer at a
-                  time, quantized outputs passed on, no tuning: its default)
-  A3B, layer pipeline, tuned end to end  the same with --tune-epochs 1 (the whole-model
-                  pipeline's end-to-end tune, run one layer at a time: quant/stream_tune.py)
-  A3B, layer pipeline, tuned block-wise  the same with --tune-steps TUNE_STEPS (each
-                  layer's rounding and metadata tuned against its float output, AutoRound's recipe)
-  A3B, nearest rounding  the same, each weight on its fitted table's nearest entry
+  A3B, tuned block-wise  untuned end to end, with --tune-steps TUNE_STEPS (each layer's
+                  rounding and metadata tuned against its float output, AutoRound's recipe)
+  A3B, nearest rounding  the defaults, each weight on its fitted table's nearest entry
   A3B uncalibrated  --uncalibrated
   GPTQ W4A16 g64  llm-compressor GPTQModifier, symmetric (perf/quant_compare/peers.py)
   AWQ W4A16 g64   llm-compressor AWQModifier + QuantizationModifier, asymmetric
@@ -119,14 +116,13 @@ def variants(calibration: Path) -> list[Variant]:
 
     # the rounding spelled out: a checkpoint's build record is its command, which must not mean
     # another rounding when a3b-quantize's default changes
-    return [Variant("bf16", BF16_DIR, None), a3b("A3B", "a3b-gptq", *calibrated, "--rounding", "gptq"),
-            a3b("A3B, no tuning", "a3b-gptq-untuned", *calibrated, "--rounding", "gptq", "--tune-epochs", "0"),
-            a3b("A3B, layer pipeline", "a3b-gptq-layers", *calibrated, "--rounding", "gptq", "--pipeline", "layers"),
-            a3b("A3B, layer pipeline, tuned end to end", "a3b-gptq-layers-end-to-end", *calibrated, "--rounding",
-                "gptq", "--pipeline", "layers", "--tune-epochs", "1"),
-            a3b("A3B, layer pipeline, tuned block-wise", "a3b-gptq-layers-tuned", *calibrated, "--rounding", "gptq",
-                "--pipeline", "layers", "--tune-steps", str(TUNE_STEPS)),
-            a3b("A3B, nearest rounding", "a3b", *calibrated, "--rounding", "nearest"),
+    untuned = ("--tune-epochs", "0")
+    return [Variant("bf16", BF16_DIR, None),
+            a3b("A3B", "a3b-gptq", *calibrated, "--rounding", "gptq", "--tune-epochs", "1"),
+            a3b("A3B, no tuning", "a3b-gptq-untuned", *calibrated, "--rounding", "gptq", *untuned),
+            a3b("A3B, tuned block-wise", "a3b-gptq-block-wise", *calibrated, "--rounding", "gptq", *untuned,
+                "--tune-steps", str(TUNE_STEPS)),
+            a3b("A3B, nearest rounding", "a3b", *calibrated, "--rounding", "nearest", "--tune-epochs", "1"),
             a3b("A3B uncalibrated", "a3b-uncalibrated", "--uncalibrated"),
             *(llm_compressor(method, kernel) for method in ("gptq", "awq") for kernel in typing.get_args(PeerKernel))]
 
