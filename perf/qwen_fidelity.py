@@ -94,8 +94,9 @@ def convert(src: Path, dst: Path, options: list[str]) -> float:
     shutil.rmtree(dst, ignore_errors=True)
     shutil.rmtree(dst.with_name(dst.name + ".partial"), ignore_errors=True)
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "a3b_backend.quant.convert", str(src), str(dst),
-                    "--calibration-tokens", str(CALIBRATION_TOKENS), *options], check=True)
+    budget = [] if "--uncalibrated" in options else ["--calibration-tokens", str(CALIBRATION_TOKENS)]
+    subprocess.run([sys.executable, "-m", "a3b_backend.quant.convert", str(src), str(dst), *budget, *options],
+                   check=True)
     return time.perf_counter() - started
 
 
