@@ -206,14 +206,12 @@ def awq_calibration(stats: dict[str, calibrate.ChannelStats], weights: dict[str,
 def quantize_linear(name: str, tensor: torch.Tensor, config: A3BConfig,
                     calibration: dict[str, LinearCalibration], module: str | None = None) -> A3BWeight:
     """`module`: the loaded model's name for the linear (default: the checkpoint's, `name` without
-    `.weight`). With calibration, a linear it gave no statistics is refused, never written as calibrated."""
+    `.weight`). A linear calibration gave no statistics is refused, never written as calibrated."""
     module = module or name.removesuffix(".weight")
     found = calibration.get(module)
     if found is None:
-        if calibration:
-            raise ConversionError(f"calibration gave no statistics for the linear {name} (module {module} of the "
-                                  f"loaded model): the checkpoint's names and the model's do not meet")
-        return quantize(tensor.float(), config, name=name)
+        raise ConversionError(f"calibration gave no statistics for the linear {name} (module {module} of the "
+                              f"loaded model): the checkpoint's names and the model's do not meet")
     w, stats = found.scaled(tensor.float())
     if stats.hessian is not None:
         return quantize_gptq(w, config, stats.hessian, name=name)
