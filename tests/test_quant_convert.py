@@ -378,7 +378,7 @@ def test_hessians_are_the_inputs_second_moments(tmp_path, tokenizer):
     assert torch.equal(q.gram, v.gram)  # one input, one x^T x
 
 
-def test_broad_calibration_text_mixes_licences_and_package_readmes(tmp_path, monkeypatch):
+def test_broad_calibration_text_mixes_licences_package_readmes_and_docstring_prose(tmp_path, monkeypatch):
     import importlib.metadata
 
     from a3b_backend.quant import calibrate
@@ -392,6 +392,29 @@ def test_broad_calibration_text_mixes_licences_and_package_readmes(tmp_path, mon
     assert "LICENCE TAIL" not in text  # each document cut to DOCUMENT_CHARS
     readme = importlib.metadata.metadata("tqdm").json["description"]
     assert readme[:200] in text
+    assert calibrate.package_prose(importlib.metadata.distribution("click"), set())[:200] in text  # prose too
+    assert not [p for p in calibrate.stdlib_prose() if p in text]  # the prose held-out register is never read
+
+
+def test_package_prose_reads_docstring_paragraphs_but_not_tests_or_held_out_ones(tmp_path):
+    import importlib.metadata
+
+    from a3b_backend.quant import calibrate
+
+    def paragraph(word: str) -> str:
+        return " ".join([f"The {word} paragraph says what this does, in plain words."] * 5)
+
+    (tmp_path / "pkg" / "tests").mkdir(parents=True)
+    (tmp_path / "pkg" / "a.py").write_text(
+        f'"""{paragraph("module")}\n\nshort"""\n\ndef f():\n    """{paragraph("held")}"""\n')
+    (tmp_path / "pkg" / "b.py").write_text("def broken(:\n")
+    (tmp_path / "pkg" / "tests" / "test_a.py").write_text(f'"""{paragraph("test")}"""\n')
+    info = tmp_path / "pkg-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pkg\nVersion: 1.0\n")
+    (info / "RECORD").write_text("pkg/a.py,,\npkg/b.py,,\npkg/tests/test_a.py,,\n")
+    prose = calibrate.package_prose(importlib.metadata.PathDistribution(info), held_out={paragraph("held")})
+    assert prose == paragraph("module")  # no short paragraph, no held-out one, no test's, no broken file's
 
 
 def test_chat_calibration_text_renders_each_document_as_one_exchange(tmp_path, monkeypatch, tokenizer):

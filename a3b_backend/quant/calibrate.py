@@ -25,11 +25,13 @@ intermediate activations of the block's experts for down_proj
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import importlib.metadata
 import random
 import re
+import sysconfig
 from pathlib import Path
 from typing import Callable
 
@@ -262,19 +264,74 @@ def load_text(path: Path) -> str:
 
 
 DOCUMENT_CHARS = 2500  # about 600 tokens: most 512-token windows start in a document the last did not see
+PROSE_PARAGRAPH_CHARS = 200
+# Standard-library folders whose text is not prose or is another register (tests, the language reference)
+NOT_PROSE = {"test", "tests", "idlelib", "lib2to3", "pydoc_data", "site-packages", "dist-packages", "turtledemo",
+             "ensurepip", "venv"}
+# The installed distribution that is this project: its docstrings change with every commit
+PROJECT_DISTRIBUTION = "a3b-triton"
+
+
+def docstring_prose(path: Path) -> list[str]:
+    """The prose paragraphs of a Python file's docstrings (module, class and function), each on one
+    line, in the file's order: those of PROSE_PARAGRAPH_CHARS characters or more that are at least
+    90% letters, spaces and punctuation. None from a file that does not parse."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return []
+    paragraphs = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            for paragraph in re.split(r"\n\s*\n", ast.get_docstring(node) or ""):
+                body = " ".join(line.strip() for line in paragraph.splitlines())
+                if (len(body) >= PROSE_PARAGRAPH_CHARS
+                        and sum(c.isalpha() or c in " ,.;'" for c in body) >= 0.9 * len(body)):
+                    paragraphs.append(body)
+    return paragraphs
+
+
+@functools.cache
+def stdlib_prose() -> tuple[str, ...]:
+    """The standard library's docstring prose, file by file in path order, tests and the folders
+    of NOT_PROSE left out: the prose held-out register's source, which calibration never reads."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return tuple(paragraph for path in sorted(root.rglob("*.py")) if not NOT_PROSE & set(path.relative_to(root).parts)
+                 for paragraph in docstring_prose(path))
+
+
+def package_prose(distribution: importlib.metadata.Distribution, held_out: set[str]) -> str:
+    """One installed distribution's docstring prose, its Python files (tests left out) in path order,
+    up to DOCUMENT_CHARS, with no paragraph of `held_out`."""
+    files = sorted(str(f) for f in distribution.files or () if f.suffix == ".py" and not {"test", "tests"} & set(f.parts))
+    paragraphs, chars = [], 0
+    for file in files:
+        for paragraph in docstring_prose(Path(distribution.locate_file(file))):
+            if paragraph not in held_out:
+                paragraphs.append(paragraph)
+                chars += len(paragraph) + 2
+        if chars >= DOCUMENT_CHARS:
+            break
+    return "\n\n".join(paragraphs)
 
 
 def broad_calibration_documents() -> list[str]:
-    """Calibration documents of more than one register: the licence texts Debian and
-    Ubuntu ship and the long descriptions (README files) of the installed Python
-    packages (technical English, markdown, reStructuredText, code examples),
-    each cut to DOCUMENT_CHARS, in one fixed shuffled order (every tool and run reads the same text)."""
+    """Calibration documents of more than one register: the licence texts Debian and Ubuntu ship,
+    and per installed Python package (this project's left out) its long description (README:
+    technical English, markdown, reStructuredText, code examples) and the English prose of its
+    docstrings (no paragraph the standard library's docstrings hold: those are the prose held-out
+    register). Each is cut to DOCUMENT_CHARS, in one fixed shuffled order (every tool and run reads
+    the same text)."""
     licences = (sorted(p for p in LICENCE_TEXTS.iterdir() if p.is_file() and not p.is_symlink())
                 if LICENCE_TEXTS.is_dir() else [])
     documents = [load_text(p) for p in licences]
-    readmes = {d.metadata["Name"].lower(): d.metadata.json.get("description", "")
-               for d in importlib.metadata.distributions()}
-    documents += [readmes[name] for name in sorted(readmes) if len(readmes[name]) >= DOCUMENT_CHARS // 2]
+    distributions = {d.metadata["Name"].lower(): d for d in importlib.metadata.distributions()}
+    distributions.pop(PROJECT_DISTRIBUTION, None)
+    held_out = set(stdlib_prose())
+    for name in sorted(distributions):
+        readme = distributions[name].metadata.json.get("description", "")
+        prose = package_prose(distributions[name], held_out)
+        documents += [text for text in (readme, prose) if len(text) >= DOCUMENT_CHARS // 2]
     random.Random(0).shuffle(documents)
     return [document[:DOCUMENT_CHARS] for document in documents]
 

@@ -18,7 +18,7 @@ One pipeline for every model, from SmolLM2-135M to Qwen3.6-35B-A3B
 (a3b_backend/quant/sequential.py): one decoder layer in memory at a time,
 resumable after an interruption. Over the first --calibration-tokens (65,536)
 tokens of --calibration-text FILE, or of the built-in varied text (the licence
-texts and the installed Python packages' READMEs,
+texts, and the installed Python packages' READMEs and docstring prose,
 calibrate.broad_calibration_text(); its sha256 follows the installed packages
 and is recorded in the checkpoint's config), each layer is run for activation
 statistics: importance-weighted fits, AWQ scales (alpha searched per layer
@@ -301,7 +301,7 @@ BUILT_IN_FILES = {"plain": "built-in.txt", "chat": "built-in-as-chat-exchanges.t
 @contextlib.contextmanager
 def calibration_file(path: Path | None, chat_tokenizer: Path | None = None) -> Iterator[Path]:
     """The calibration text as a file: `path`, or the built-in varied text (the licence texts and the
-    installed packages' READMEs) written to a temporary one, with `chat_tokenizer` (a model directory)
+    installed packages' READMEs and docstring prose) written to a temporary one, with `chat_tokenizer` (a model directory)
     each document as a chat exchange in that model's template."""
     if path is not None:
         yield path
@@ -335,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     calibration = parser.add_mutually_exclusive_group()
     calibration.add_argument("--calibration-text", type=Path,
                              help=f"text file for activation-aware calibration (default: the built-in varied text, "
-                                  f"{BUILT_IN_TEXT}: the licence texts and the installed Python packages' READMEs)")
+                                  f"{BUILT_IN_TEXT}: the licence texts, and the installed Python packages' "
+                                  "READMEs and docstring prose)")
     calibration.add_argument("--uncalibrated", action="store_true",
                              help="no calibration: nearest rounding on each block's own weights (much worse)")
     parser.add_argument("--calibration-tokens", type=int, default=DEFAULT_CALIBRATION_TOKENS)

