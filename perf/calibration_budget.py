@@ -5,7 +5,7 @@ model` converts SmolLM2 on 8,192 (docs/quantization.md says why). This converts 
 a3b-quantize's defaults at both budgets (each in a process of its own, timed) and gives each checkpoint's perplexity
 on EVAL_TOKENS tokens of each held-out register (quality.REGISTERS: CPython's language reference,
 and the standard library's docstrings; neither calibrated on), dequantized into transformers in
-float32, beside the bf16 source's.
+float32, beside the bf16 source's and make model's checkpoint's (and those `--also` names).
 """
 from __future__ import annotations
 
@@ -76,8 +76,10 @@ def plot(rows: dict, path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS),
-                        help=f"the budgets to convert at (default {' '.join(map(str, BUDGETS))})")
+    parser.add_argument("--budgets", type=int, nargs="*", default=list(BUDGETS),
+                        help=f"the budgets to convert at (default {' '.join(map(str, BUDGETS))}; none: only score)")
+    parser.add_argument("--also", type=Path, nargs="*", default=[],
+                        help="A3B checkpoints converted before (by make compare-quant-a3b, say) to score beside")
     args = parser.parse_args(argv)
     ids = register_ids()
     rows = {"bf16 source": {"perplexity": perplexities(SOURCE, ids), "conversion_s": None}}
@@ -85,10 +87,13 @@ def main(argv: list[str] | None = None) -> None:
         seconds, dst = convert(tokens)
         rows[f"A3B, {tokens} calibration tokens"] = {"perplexity": perplexities(dst, ids), "conversion_s": seconds}
         print(f"{tokens} tokens: perplexity {rows[f'A3B, {tokens} calibration tokens']['perplexity']}", flush=True)
-    if SERVED.is_dir():  # the served default beside the budgets: make model's conversion, its time not known here
-        served_tokens = json.loads((SERVED / "config.json").read_text())["quantization_config"]["calibration_tokens"]
-        rows[f"make model's checkpoint ({served_tokens} calibration tokens)"] = {
-            "perplexity": perplexities(SERVED, ids), "conversion_s": None}
+    # the served default (make model's conversion) and any checkpoints named, their times not known here
+    named = ([("make model's checkpoint", SERVED)] if SERVED.is_dir() else []) + [(str(p), p) for p in args.also]
+    for label, checkpoint in named:
+        quantization = json.loads((checkpoint / "config.json").read_text())["quantization_config"]
+        rows[f"{label} ({quantization['calibration_tokens']} calibration tokens, "
+             f"tuned {quantization['tuned_epochs']} epochs)"] = {
+            "perplexity": perplexities(checkpoint, ids), "conversion_s": None}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "calibration_budget.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
     base = rows["bf16 source"]["perplexity"]
