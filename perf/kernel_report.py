@@ -181,8 +181,9 @@ def launches(shapes: dict[str, tuple[int, int]]) -> list[dict]:
     out = []
     dense = {name: nk for name, nk in shapes.items() if "experts" not in name} | {"8192x8192": (8192, 8192)}
     for name, (n, k) in dense.items():  # one row of x: the GEMV without a table, a3b_matmul's default
-        split = splits_to_fill(math.ceil(n / a3b_gemv.BLOCK_N), math.ceil(k / 128), a3b_gemv.PER_SM)
-        out.append({"kernel": "gemv", "case": f"{name} {n}x{k} M=1",
+        split = a3b_gemv.split_k_for(n, math.ceil(k / 128))
+        out.append({"kernel": "gemv", "case": f"{name} {n}x{k} M=1", "split_k": split,
+                    "tiles": math.ceil(n / a3b_gemv.BLOCK_N),
                     "build": f"gemv 1x128 split_k={4 if split > 1 else 1}",
                     "values": {"word_stride": k // 8, "row_words": k // 8, "N": n, "K": k,
                                "n_kblocks": math.ceil(k / 128), "nibble_mask": a3b_gemv.NIBBLE_AT_TOP,
@@ -239,6 +240,8 @@ def arguments(values: dict[str, int]) -> str:
 
 
 def markdown(builds: list[dict], launch_list: list[dict], copy_gbps: float, versions: list[str]) -> str:
+    from a3b_kernels.triton import a3b_gemv
+
     lines = ["# A3B's Triton kernels, read statically from their compiled code (no GPU)", "",
              "Command: `make kernel-report` (perf/kernel_report.py). **A static analysis of cubins compiled on the "
              f"CPU, not a timing.** Triton versions: {', '.join(versions)} (3.6 is the GPU hosts'). Targets: "
@@ -271,6 +274,20 @@ def markdown(builds: list[dict], launch_list: list[dict], copy_gbps: float, vers
                      f"{r['programs']} | {r['blocks_per_sm']} | {r['occupancy']:.1%} | {r['waves']:.2f} | "
                      f"{r['bytes'] / 1e6:.2f} | {r['bytes_limit_us']:.1f} |")
     lines += ["", "## Against the issue's static goals (sm_90a, Triton 3.6)", ""]
+    for r in launch_rows(builds, launch_list, copy_gbps):
+        if r["kernel"] != "gemv" or r["target"] != "sm_90a" or not r["triton"].startswith("3.6"):
+            continue
+        slots = r["blocks_per_sm"] * GPUS["sm_90a"].sms
+        waves = math.ceil(r["programs"] / slots)
+        last = r["programs"] - (waves - 1) * slots
+        kblocks = r["values"]["n_kblocks"]
+        busy = r["tiles"] * kblocks / (waves * slots * math.ceil(kblocks / r["split_k"]))
+        whole = waves == 1 or last >= 0.9 * slots
+        lines.append(f"- gemv launch {r['case']}: split-K {r['split_k']} of {kblocks} K blocks, {r['programs']} "
+                     f"programs in {waves} wave(s) of {slots} ({r['blocks_per_sm']} blocks x {GPUS['sm_90a'].sms} "
+                     f"SMs; the kernel assumes {a3b_gemv.BLOCKS_PER_SM}), the last {last / slots:.0%} full, "
+                     f"{busy:.0%} of the slot time busy (goal: no part-full wave after a full one): "
+                     f"{'met' if whole else 'MISSED'}")
     for b in builds:
         if b["target"] != "sm_90a" or not b["triton"].startswith("3.6"):
             continue

@@ -11,7 +11,7 @@ import torch  # noqa: E402
 
 from a3b_backend.quant.format import A3BConfig, A3BWeight, quantize, stack  # noqa: E402
 from a3b_kernels import reference  # noqa: E402
-from a3b_kernels.occupancy import splits_to_fill  # noqa: E402
+from a3b_kernels.occupancy import splits_to_fill, whole_wave_splits  # noqa: E402
 from a3b_kernels.triton import a3b_gemv, a3b_matmul, a3b_moe  # noqa: E402
 
 CONFIG = A3BConfig(1, 128, iterations=2)
@@ -65,6 +65,16 @@ def test_decode_calls_split_k_to_fill_the_gpu():
     assert splits_to_fill(tiles=2, max_splits=64, per_sm=2) == 64
     assert splits_to_fill(tiles=128, max_splits=64, per_sm=2) == 3
     assert splits_to_fill(tiles=512, max_splits=64, per_sm=2) == 1
+
+
+def test_the_gemv_splits_k_into_one_wave():
+    # 8192 rows (128 tiles) over 64 K blocks, 6 programs an SM: 6 splits of 11 blocks, 768 programs in one
+    # wave of 792; filling to 8 an SM instead gave 9 splits (1152 programs, a second wave 45% full)
+    assert whole_wave_splits(tiles=128, kblocks=64, blocks_per_sm=6) == 6
+    assert whole_wave_splits(tiles=100, kblocks=64, blocks_per_sm=6) == 7  # six splits of 10 blocks and one of 4: 700 programs
+    assert whole_wave_splits(tiles=8, kblocks=16, blocks_per_sm=6) == 16  # every K block its own program
+    assert whole_wave_splits(tiles=4000, kblocks=64, blocks_per_sm=6) == 1  # the tiles fill waves alone
+    assert whole_wave_splits(tiles=120, kblocks=13, blocks_per_sm=6) == 5  # 6 fit; 3 blocks a split need only 5
 
 
 def test_triton_kernel_refuses_tiles():

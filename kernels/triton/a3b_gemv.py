@@ -12,7 +12,7 @@ Per weight: its nibble moved to the top of a float's mantissa by one shift, then
 into the bits of 1.0 give 1 + c / 16 and 1 + s / 16 (no int-to-float conversion), and two
 multiply-adds into the sums; the block's three scalars (the 1.0s folded into the first: `base`)
 are applied once per 8 weights. Each program owns BLOCK_N rows and a range of K blocks (split-K
-until the GPU is full); a thread's codes come 4 consecutive 32-bit words of a row at a time (16-byte
+to the count that fills whole waves of BLOCKS_PER_SM programs an SM); a thread's codes come 4 consecutive 32-bit words of a row at a time (16-byte
 loads), and its x values serve every row it owns.
 """
 from __future__ import annotations
@@ -22,11 +22,13 @@ import triton
 import triton.language as tl
 
 from a3b_backend.quant.format import A3BConfig, A3BWeight
-from a3b_kernels.occupancy import splits_to_fill
+from a3b_kernels.occupancy import whole_wave_splits
 from a3b_kernels.triton.codes import block_table, code_args, split8
 
 BLOCK_N = 64
-PER_SM = 8  # programs per SM split-K aims at
+# Programs an SM holds at once: 80 registers a thread at 4 warps on sm_90a under Triton 3.6 (make
+# kernel-report, which flags a build whose registers give another count)
+BLOCKS_PER_SM = 6
 # Passed to the kernel as arguments, not constants, so they sit in registers: a LOP3 takes one
 # immediate, and (top & mask) | one with both as immediates takes two LOP3s
 FLOAT_ONE = 0x3F800000  # the bits of float32 1.0
@@ -88,6 +90,11 @@ def _a3b_gemv_kernel(x_ptr, words_ptr, word_stride, row_words, lo_ptr, step_ptr,
         tl.atomic_add(y_ptr + rows, y, mask=row_ok)
 
 
+def split_k_for(n: int, n_kblocks: int) -> int:
+    """The split-K of an N-row GEMV over `n_kblocks` K blocks: whole waves on SMS SMs."""
+    return whole_wave_splits(triton.cdiv(n, BLOCK_N), n_kblocks, BLOCKS_PER_SM)
+
+
 def a3b_gemv(x: torch.Tensor, q: A3BWeight, config: A3BConfig, out: torch.Tensor | None = None,
              split_k: int | None = None) -> torch.Tensor:
     """float32 y[1, N] = x[1, K] @ W^T (into `out` when given), W in 1 x C blocks."""
@@ -98,7 +105,7 @@ def a3b_gemv(x: torch.Tensor, q: A3BWeight, config: A3BConfig, out: torch.Tensor
     N = q.packed.shape[0]
     n_kblocks = q.lo.shape[1]
     tiles = triton.cdiv(N, BLOCK_N)
-    split_k = splits_to_fill(tiles, n_kblocks, PER_SM) if split_k is None else split_k
+    split_k = split_k_for(N, n_kblocks) if split_k is None else split_k
     y = torch.empty(1, N, dtype=torch.float32, device=x.device) if out is None else out
     if split_k > 1:
         y.zero_()
