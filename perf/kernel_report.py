@@ -183,7 +183,6 @@ def launches(shapes: dict[str, tuple[int, int]]) -> list[dict]:
     for name, (n, k) in dense.items():  # one row of x: the GEMV without a table, a3b_matmul's default
         split = a3b_gemv.split_k_for(n, math.ceil(k / 128))
         out.append({"kernel": "gemv", "case": f"{name} {n}x{k} M=1", "split_k": split,
-                    "tiles": math.ceil(n / a3b_gemv.BLOCK_N),
                     "build": f"gemv 1x128 split_k={4 if split > 1 else 1}",
                     "values": {"word_stride": k // 8, "row_words": k // 8, "N": n, "K": k,
                                "n_kblocks": math.ceil(k / 128), "nibble_mask": a3b_gemv.NIBBLE_AT_TOP,
@@ -281,12 +280,14 @@ def markdown(builds: list[dict], launch_list: list[dict], copy_gbps: float, vers
         waves = math.ceil(r["programs"] / slots)
         last = r["programs"] - (waves - 1) * slots
         kblocks = r["values"]["n_kblocks"]
-        busy = r["tiles"] * kblocks / (waves * slots * math.ceil(kblocks / r["split_k"]))
-        whole = waves == 1 or last >= 0.9 * slots
+        busy = r["programs"] // r["split_k"] * kblocks / (waves * slots * math.ceil(kblocks / r["split_k"]))
+        # the split assumes BLOCKS_PER_SM; a build whose registers allow another count misses the goal
+        whole = (waves == 1 or last >= 0.9 * slots) and r["blocks_per_sm"] == a3b_gemv.BLOCKS_PER_SM
         lines.append(f"- gemv launch {r['case']}: split-K {r['split_k']} of {kblocks} K blocks, {r['programs']} "
                      f"programs in {waves} wave(s) of {slots} ({r['blocks_per_sm']} blocks x {GPUS['sm_90a'].sms} "
                      f"SMs; the kernel assumes {a3b_gemv.BLOCKS_PER_SM}), the last {last / slots:.0%} full, "
-                     f"{busy:.0%} of the slot time busy (goal: no part-full wave after a full one): "
+                     f"{busy:.0%} of the slot time busy (goal: no part-full wave after a full one, at the "
+                     "blocks per SM the split assumes): "
                      f"{'met' if whole else 'MISSED'}")
     for b in builds:
         if b["target"] != "sm_90a" or not b["triton"].startswith("3.6"):
