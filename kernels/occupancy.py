@@ -14,7 +14,6 @@ def splits_to_fill(tiles: int, max_splits: int, per_sm: int) -> int:
     return max(1, min(max_splits, ceil_div(per_sm * SMS, tiles)))
 
 
-
 def whole_wave_splits(tiles: int, kblocks: int, blocks_per_sm: int) -> int:
     """Splits of each of `tiles` tiles' `kblocks` K blocks that run in one wave of `blocks_per_sm`
     programs on each of SMS SMs: as many as fit (so each split holds the fewest K blocks, its

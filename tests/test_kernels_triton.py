@@ -71,7 +71,7 @@ def test_the_gemv_splits_k_into_one_wave():
     # 8192 rows (128 tiles) over 64 K blocks, 6 programs an SM: 6 splits of 11 blocks, 768 programs in one
     # wave of 792; filling to 8 an SM instead gave 9 splits (1152 programs, a second wave 45% full)
     assert whole_wave_splits(tiles=128, kblocks=64, blocks_per_sm=6) == 6
-    assert whole_wave_splits(tiles=100, kblocks=64, blocks_per_sm=6) == 7  # six splits of 10 blocks and one of 4: 700 programs
+    assert whole_wave_splits(tiles=100, kblocks=64, blocks_per_sm=6) == 7  # six splits of 10 blocks, one of 4
     assert whole_wave_splits(tiles=8, kblocks=16, blocks_per_sm=6) == 16  # every K block its own program
     assert whole_wave_splits(tiles=4000, kblocks=64, blocks_per_sm=6) == 1  # the tiles fill waves alone
     assert whole_wave_splits(tiles=120, kblocks=13, blocks_per_sm=6) == 5  # 6 fit; 3 blocks a split need only 5

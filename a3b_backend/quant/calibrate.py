@@ -303,7 +303,8 @@ def stdlib_prose() -> tuple[str, ...]:
 def package_prose(distribution: importlib.metadata.Distribution, held_out: set[str]) -> str:
     """One installed distribution's docstring prose, its Python files (tests left out) in path order,
     up to DOCUMENT_CHARS, with no paragraph of `held_out`."""
-    files = sorted(str(f) for f in distribution.files or () if f.suffix == ".py" and not {"test", "tests"} & set(f.parts))
+    files = sorted(str(f) for f in distribution.files or ()
+                   if f.suffix == ".py" and not {"test", "tests"} & set(f.parts))
     paragraphs, chars = [], 0
     for file in files:
         for paragraph in docstring_prose(Path(distribution.locate_file(file))):

@@ -301,8 +301,8 @@ BUILT_IN_FILES = {"plain": "built-in.txt", "chat": "built-in-as-chat-exchanges.t
 @contextlib.contextmanager
 def calibration_file(path: Path | None, chat_tokenizer: Path | None = None) -> Iterator[Path]:
     """The calibration text as a file: `path`, or the built-in varied text (the licence texts and the
-    installed packages' READMEs and docstring prose) written to a temporary one, with `chat_tokenizer` (a model directory)
-    each document as a chat exchange in that model's template."""
+    installed packages' READMEs and docstring prose) written to a temporary one, with `chat_tokenizer`
+    (a model directory) each document as a chat exchange in that model's template."""
     if path is not None:
         yield path
         return

@@ -12,8 +12,8 @@ Per weight: its nibble moved to the top of a float's mantissa by one shift, then
 into the bits of 1.0 give 1 + c / 16 and 1 + s / 16 (no int-to-float conversion), and two
 multiply-adds into the sums; the block's three scalars (the 1.0s folded into the first: `base`)
 are applied once per 8 weights. Each program owns BLOCK_N rows and a range of K blocks (split-K
-to the count that fills whole waves of BLOCKS_PER_SM programs an SM); a thread's codes come 4 consecutive 32-bit words of a row at a time (16-byte
-loads), and its x values serve every row it owns.
+into one wave of BLOCKS_PER_SM programs an SM); a thread's codes come 4 consecutive 32-bit words of
+a row at a time (16-byte loads), and its x values serve every row it owns.
 """
 from __future__ import annotations
 
