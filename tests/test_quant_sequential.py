@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from test_quant_convert import CONFIG, QWEN35, tensors, tiny
 
 from a3b_backend.prepare.qwen_tiny import real_layout
+from a3b_backend.quant.checkpoint import INPUT_SCALES_FILE
 from a3b_backend.profiles import PROJECT_ROOT
 from a3b_backend.quant import calibrate, sequential, stream_tune
 from a3b_backend.quant.dequantized import float_model
@@ -205,6 +206,41 @@ def test_end_to_end_tuning_layer_by_layer_brings_the_model_closer_to_the_source(
     changed = {n for n in stored[0] if not torch.equal(stored[0][n], stored[2][n])}
     assert not any(n.endswith("_packed") for n in changed)
     assert any(n.endswith("_lo_scale") for n in changed) and any("layernorm.weight" in n for n in changed), changed
+    scales = load_file(dst / INPUT_SCALES_FILE)  # a tuned norm's other readers record its scale as tuned too
+    for reader in (m for m in scales if calibrate.reads_folded_norm(m)):
+        member = next(m for m in scales
+                      if calibrate.FOLDABLE.search(m) and calibrate.norm_for(m) == calibrate.norm_for(reader))
+        torch.testing.assert_close(scales[reader], scales[member], rtol=0, atol=0)
+
+
+def test_every_reader_of_a_folded_norm_takes_its_scale(tmp_path, tokenizer, text):
+    """Gated DeltaNet's and a MoE block's norms fold the AWQ scale searched on their quantized
+    readers (in_proj_qkv/z, the shared expert's gate/up); the norm's other readers take it into
+    their input columns too (the router, the shared expert's gate and the a/b projections as
+    stored, the routed experts before rounding) and record it for the LoRA fold, so that what the
+    unquantized readers compute is the source's."""
+    src = qwen_fidelity.with_outliers(checkpoint(tmp_path, tokenizer, "qwen3_5_moe_text", QWEN35),
+                                      tmp_path / "outliers")
+    dst = sequential.convert_layers(src, tmp_path / "a3b", CONFIG, text, 1024, tune_config=BlockTuneConfig(steps=0))
+    source, stored, scales = tensors(src), tensors(dst), load_file(dst / INPUT_SCALES_FILE)
+    x_hat = torch.randn(5, source["model.layers.0.input_layernorm.weight"].numel())
+    readers = {"input_layernorm": ("linear_attn.in_proj_qkv", ["linear_attn.in_proj_a", "linear_attn.in_proj_b"]),
+               "post_attention_layernorm": ("mlp.shared_expert.gate_proj", ["mlp.gate", "mlp.shared_expert_gate"])}
+    folded = 0
+    for layer in range(2):
+        for norm, (member, unquantized) in readers.items():
+            prefix = f"model.layers.{layer}."
+            if prefix + member not in scales:  # layer 1's input norm feeds attention, folded as before
+                continue
+            scale = scales[prefix + member]
+            folded += not torch.allclose(scale, torch.ones_like(scale))
+            assert torch.equal(scales[prefix + "mlp.experts"] if norm.startswith("post") else scale, scale)
+            source_norm, stored_norm = 1 + source[f"{prefix}{norm}.weight"], 1 + stored[f"{prefix}{norm}.weight"]
+            for reader in unquantized:
+                assert torch.equal(scales[prefix + reader], scale), reader
+                torch.testing.assert_close((x_hat * stored_norm) @ stored[f"{prefix}{reader}.weight"].T,
+                                           (x_hat * source_norm) @ source[f"{prefix}{reader}.weight"].T)
+    assert folded >= 2  # the outlier channels gave the scales something to do
 
 
 def test_the_heads_kl_in_chunks_of_tokens_equals_it_whole(monkeypatch):

@@ -55,19 +55,34 @@ def is_quantized(module: str) -> bool:
     return bool(QUANTIZED.search(module)) and not OUTSIDE_TEXT_MODEL.match(module)
 
 ALPHAS = (0.0, 0.25, 0.5, 0.75)
-# Inputs that come straight from an RMSNorm, whose weight can absorb 1/s
-# (dense decoder layers; MoE experts share their norm with the router).
-FOLDABLE = re.compile(r"\.layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj)|mlp\.(gate_proj|up_proj))$")
-NORM_OF = {"self_attn": "input_layernorm", "mlp": "post_attention_layernorm"}
+# Quantized linears whose input comes straight from an RMSNorm, whose weight can absorb 1/s; they
+# share one scale per norm, searched on them. Every other reader of that norm takes s into its
+# input columns too, so that the fold changes nothing but the rounding: the unquantized ones
+# (READERS: MoE routers, the shared expert's gate, Gated DeltaNet's a/b projections) as stored,
+# and a MoE block's routed experts before they are rounded. A MoE block without a shared expert
+# (Qwen3-MoE) has no linear to search the scale on: its norm is not folded.
+FOLDABLE = re.compile(r"\.layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj)"
+                      r"|linear_attn\.(in_proj_qkvz|in_proj_qkv|in_proj_z)|mlp\.(shared_expert\.)?(gate_proj|up_proj))$")
+READERS = re.compile(r"\.layers\.\d+\.(linear_attn\.(in_proj_ba|in_proj_a|in_proj_b)|mlp\.(gate|shared_expert_gate))$")
+ROUTED_EXPERTS = re.compile(r"\.layers\.\d+\.mlp\.experts$")
+NORM_OF = {"self_attn": "input_layernorm", "linear_attn": "input_layernorm", "mlp": "post_attention_layernorm"}
 # A dense or shared-expert MLP's down_proj: up_proj's rows absorb 1/s (routed
 # experts' down projections have no importance statistics of their own).
 ROW_FOLDABLE = re.compile(r"^(.*\.layers\.\d+\.mlp(?:\.shared_expert)?)\.down_proj$")
 
 
-def norm_for(linear_name: str) -> str:
-    """The RMSNorm whose weight absorbs the AWQ scale of a foldable linear."""
-    layer, block, _proj = linear_name.rsplit(".", 2)
-    return f"{layer}.{NORM_OF[block]}"
+def norm_for(module: str) -> str:
+    """The RMSNorm that feeds a decoder layer's module (a foldable linear, one of READERS, or
+    its routed experts), whose weight absorbs their AWQ scale."""
+    match = re.match(r"^(.*\.layers\.\d+)\.(self_attn|linear_attn|mlp)\.", module)
+    if match is None:
+        raise ValueError(f"{module} is not read from a decoder layer's RMSNorm")
+    return f"{match.group(1)}.{NORM_OF[match.group(2)]}"
+
+
+def reads_folded_norm(module: str) -> bool:
+    """An unquantized linear or routed experts that read a foldable group's norm (take s as stored)."""
+    return bool(READERS.search(module) or ROUTED_EXPERTS.search(module))
 
 
 @dataclasses.dataclass

@@ -285,10 +285,15 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
     for name, q in dense.items():
         store(name, q)
     written = {source.layout.checkpoint(prefix + name) + ".weight" for name in dense}
+    readers = {}  # the other readers of a folded norm, by module: their inputs are divided by its scale too
+    for module in ({source.layout.module(n.removesuffix(".weight")) for n in source.by_layer[index]}
+                   | {prefix + name for name in calibrate.stacked_experts(layer)}):
+        if module and calibrate.reads_folded_norm(module) and calibrate.norm_for(module) in per_norm:
+            readers[module] = per_norm[calibrate.norm_for(module)]
     compensated = projections = 0
     for name, experts in calibrate.stacked_experts(layer).items():
         group = round_experts(experts, prefix + name, lambda module: source.layout.checkpoint(module) + ".weight",
-                              stats, routed.get(prefix + name), config)
+                              stats, routed.get(prefix + name), config, readers.get(prefix + name))
         out.update(group.tensors)
         compensated += group.error_compensated
         projections += group.projections
@@ -297,8 +302,12 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
             continue
         module = source.layout.module(name.removesuffix(".weight"))
         tensor = source.read(name)
-        out[name] = (fold_norm_scale(tensor.to(per_norm[module].device), per_norm[module], zero_centred)
-                     if module in per_norm else tensor)
+        if module in per_norm:
+            out[name] = fold_norm_scale(tensor.to(per_norm[module].device), per_norm[module], zero_centred)
+        elif module in readers:
+            out[name] = (tensor.to(readers[module].device).float() * readers[module]).to(tensor.dtype)
+        else:
+            out[name] = tensor
     rounded = time.perf_counter()
     tuned = None
     if tuned_here and dense:
@@ -315,6 +324,7 @@ def quantize_layer(layer: torch.nn.Module, index: int, source: Source, hidden: l
             store(name, q)
     scales = {f"{field}:{module}": scale.to("cpu", copy=True)
               for field, by_module in folded_scales(per_linear).items() for module, scale in by_module.items()}
+    scales.update({f"scale:{module}": scale.to("cpu", copy=True) for module, scale in readers.items()})
     seconds = {"statistics": recorded - started, "rounding": rounded - recorded,
                "tuning": time.perf_counter() - rounded}
     return LayerResult({name: tensor.cpu() for name, tensor in out.items()}, scales, fallbacks, compensated,

@@ -178,18 +178,21 @@ class ConvertedLayers:
                       ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Layer `index`'s shard and its folded scales as tuned: each TunedLinear's stored metadata;
         each gained norm folded from the source's weight (`read_source`, by checkpoint name) with
-        its AWQ scale over its gain, the scale its linears record for the LoRA fold likewise."""
+        its AWQ scale over its gain, the scale its linears and its other readers record for the LoRA fold
+        likewise."""
         prefix = f"model.layers.{index}."
         tensors, scales = load_file(self.shard_of(index)), dict(self.scales(index))
         for name, linear in self.linears[index].items():
             checkpoint = self._checkpoint(prefix + name)
             tensors.update(linear.cpu().stored(A3BWeight.from_tensors(tensors, checkpoint)).tensors(checkpoint))
         members = calibrate.groups([prefix + n for n in self.linears[index]])
+        readers = [key.removeprefix("scale:") for key in scales if key.startswith("scale:")
+                   and calibrate.reads_folded_norm(key.removeprefix("scale:"))]
         for norm, gain in self.gains[index].items():
             factor = gain.log_gain.detach().cpu().exp()
             scale = scales[f"scale:{members[prefix + norm][0]}"] / factor
-            for member in members[prefix + norm]:
-                scales[f"scale:{member}"] = scale
+            for module in members[prefix + norm] + [r for r in readers if calibrate.norm_for(r) == prefix + norm]:
+                scales[f"scale:{module}"] = scale
             checkpoint = self._checkpoint(prefix + norm)
             tensors[checkpoint] = fold_norm_scale(read_source(checkpoint), scale, self.zero_centred)
         return tensors, scales

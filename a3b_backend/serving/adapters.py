@@ -1,7 +1,8 @@
 """A calibrated A3B checkpoint has AWQ scales folded into its RMSNorms and its
-up_proj rows, so the q/k/v, gate/up and down projections read their input
-divided by a per-channel scale, and up_proj gives its output divided by the
-down_proj's. An adapter trained on the source model expects the undivided
+up_proj rows, so the linears that read those norms (q/k/v, gate/up, Gated
+DeltaNet's input projections, MoE routers and experts) and the down projections
+read their input divided by a per-channel scale, and up_proj gives its output
+divided by the down_proj's. An adapter trained on the source model expects the undivided
 input and gives the undivided output; its A matrices are multiplied by the
 input scales (A s . x/s = A x) and up_proj's B rows divided by the row
 divisors into a copy the engine loads, so adapters work unchanged on the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +29,9 @@ if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
 
 
+ROUTED_INPUT = re.compile(r"(?<=\.experts)\.\d+\.(gate_proj|up_proj)$")
+
+
 def fold_scales(src: Path, dst: Path, scales: dict[str, torch.Tensor],
                 row_divisors: dict[str, torch.Tensor]) -> int:
     """Copy an adapter with each scaled module's A multiplied by its input scale and each
@@ -35,8 +40,10 @@ def fold_scales(src: Path, dst: Path, scales: dict[str, torch.Tensor],
     changed = 0
     for key, tensor in weights.items():
         module = key.removeprefix(PEFT_PREFIX).removesuffix(LORA_A_SUFFIX).removesuffix(LORA_B_SUFFIX)
-        if key.endswith(LORA_A_SUFFIX) and module in scales:
-            weights[key] = (tensor.float() * scales[module]).to(tensor.dtype)
+        # routed experts' gate/up share one scale, recorded under their experts module
+        scale = scales.get(module, scales.get(ROUTED_INPUT.sub("", module)))
+        if key.endswith(LORA_A_SUFFIX) and scale is not None:
+            weights[key] = (tensor.float() * scale).to(tensor.dtype)
             changed += 1
         elif key.endswith(LORA_B_SUFFIX) and module in row_divisors:
             weights[key] = (tensor.float() / row_divisors[module][:, None]).to(tensor.dtype)
