@@ -9,10 +9,7 @@ et al. 2022: W[:, j+1:] -= err_j * Hinv[j, j+1:] / Hinv[j, j], with Hinv
 taken as its upper Cholesky factor). Each column block's table is refitted
 (the same importance-weighted fit, importance = diag H) on the weights as
 the earlier blocks' errors left them, just before its codes are chosen, and
-stored against the row scales of the first fit. Within a block the columns go
-by falling importance (GPTQ's act order, kept inside blocks: a global order
-rounds each block on a table fitted before the earlier blocks' errors reached
-it, which was worse on qwen-tiny with outlier channels; docs/quantization.md).
+stored against the row scales of the first fit.
 
 Experts of one MoE layer are rounded together (`quantize_gptq_stack`): each has
 its own Hessian, and the column loop runs once for all of them, so its
@@ -43,18 +40,6 @@ def hessian_inverse_factor(hessian: torch.Tensor, damping: float = DAMPING) -> t
     diagonal.add_(damping * diagonal.mean())
     upper = torch.linalg.cholesky(h).flip(0, 1)
     return torch.linalg.solve_triangular(upper, torch.eye(h.shape[0], dtype=h.dtype), upper=True).float()
-
-
-def within_block_order(importance: torch.Tensor, cols: int) -> torch.Tensor:
-    """[E, in]: each column block's columns by falling importance (GPTQ's act order, kept within
-    blocks so that every block's table still holds its own columns): the columns whose errors
-    cost the most are rounded first, while the most columns are left to absorb their errors."""
-    experts, inp = importance.shape
-    order = torch.arange(inp).repeat(experts, 1)
-    for start in range(0, inp, cols):
-        end = min(start + cols, inp)
-        order[:, start:end] = start + importance[:, start:end].argsort(dim=1, descending=True, stable=True)
-    return order
 
 
 def _refit_block(q: A3BWeight, config: A3BConfig, w: torch.Tensor, importance: torch.Tensor, block: int) -> None:
@@ -89,12 +74,9 @@ def quantize_gptq_stack(weights: torch.Tensor, config: A3BConfig, hessians: torc
     if experts > 1 and out % config.block_rows:  # blocks would span two experts' rows: one at a time
         return stack([quantize_gptq(w, config, h, f"{name}.{e}") for e, (w, h) in enumerate(zip(weights, hessians))])
     cols = config.block[1]
-    order = within_block_order(importance, cols)
-    w = weights.detach().float().gather(2, order[:, None, :].expand(experts, out, inp)).clone()
-    importance = importance.gather(1, order)
+    w = weights.detach().float().clone()
     w.masked_fill_((importance == 0)[:, None, :], 0)
-    # each expert's H in its own column order, one at a time: a stack's copy would double its memory
-    factor = torch.stack([hessian_inverse_factor(h[o][:, o]) for h, o in zip(hessians, order)])
+    factor = hessian_inverse_factor(hessians)
     codes = torch.zeros(experts, out, inp + inp % 2, dtype=torch.uint8)
     for start in range(0, inp, cols):
         end = min(start + cols, inp)
@@ -108,8 +90,6 @@ def quantize_gptq_stack(weights: torch.Tensor, config: A3BConfig, hessians: torc
             batch[:, :, i:] -= errors[:, :, i:i + 1] * factor[:, None, col, col:end]
             codes[:, :, col] = (level.to(torch.uint8) << 1) | plus.to(torch.uint8)
         w[:, :, end:] -= errors @ factor[:, start:end, end:]
-    codes[:, :, :inp] = torch.empty_like(codes[:, :, :inp]).scatter_(2, order[:, None, :].expand(experts, out, inp),
-                                                                       codes[:, :, :inp])
     q.packed = pack_codes(codes.reshape(experts * out, -1)).reshape(experts, out, -1)
     return q
 
