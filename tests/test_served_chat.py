@@ -16,7 +16,10 @@ pytestmark = pytest.mark.served
 # SmolLM2's own default system text (its template adds it when none is given)
 CHAT = [{"role": "system", "content": "You are a helpful AI assistant named SmolLM, trained by Hugging Face"},
         {"role": "user", "content": CAPITAL}]
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+# bounded values: unbounded, the greedy answer's length follows the checkpoint (one of make model's
+# wrote "population": 1111... to max_tokens), and an object cut there is not valid
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                           "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
           "required": ["city", "population"], "additionalProperties": False}
 
 
