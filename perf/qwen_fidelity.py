@@ -47,6 +47,7 @@ SEQUENCES, SEQUENCE_TOKENS = 48, 128
 # for settings that kept the untuned layers there
 TUNE_STEPS = 60
 # label -> (checkpoint directory's name, a3b-quantize options)
+SOURCES = ("as-built", "outliers")
 UNTUNED = "untuned (make model-qwen's)"
 VARIANTS = {
     "uncalibrated": ("uncalibrated", ["--uncalibrated"]),
@@ -81,7 +82,7 @@ def sample(model: torch.nn.Module, seed: int = 0) -> torch.Tensor:
     ids = torch.randint(0, model.config.vocab_size, (SEQUENCES, 1), generator=generator)
     with torch.no_grad():
         for _ in range(SEQUENCE_TOKENS - 1):
-            probabilities = model(ids).logits[:, -1].float().softmax(-1)
+            probabilities = model(ids, logits_to_keep=1).logits[:, -1].float().softmax(-1)
             ids = torch.cat([ids, torch.multinomial(probabilities, 1, generator=generator)], 1)
     return ids
 
@@ -166,14 +167,18 @@ def report(results: dict, command: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.parse_args(argv)
+    parser.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES),
+                        help="which sources to measure (default: both)")
+    args = parser.parse_args(argv)
     WORK.mkdir(parents=True, exist_ok=True)
-    sources = {"qwen-tiny as built": (QWEN_TINY, "as-built"),
-               "with outlier channels": (with_outliers(QWEN_TINY, WORK / "outliers"), "outliers")}
-    results = {name: measure(src, slug) for name, (src, slug) in sources.items()}
+    sources = {"as-built": ("qwen-tiny as built", lambda: QWEN_TINY),
+               "outliers": ("with outlier channels", lambda: with_outliers(QWEN_TINY, WORK / "outliers"))}
+    results = {sources[slug][0]: measure(sources[slug][1](), slug) for slug in args.sources}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "qwen_fidelity.json").write_text(json.dumps({"machine": machine(), "results": results}, indent=1))
-    (OUT / "qwen_fidelity.md").write_text(report(results, "make bench-qwen-fidelity"))
+    command = ("make bench-qwen-fidelity" if args.sources == list(SOURCES)
+               else f"perf/qwen_fidelity.py --sources {' '.join(args.sources)}")
+    (OUT / "qwen_fidelity.md").write_text(report(results, command))
     plot(results, OUT / "qwen_fidelity.png")
     print((OUT / "qwen_fidelity.md").read_text())
 
