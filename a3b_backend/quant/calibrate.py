@@ -62,7 +62,8 @@ ALPHAS = (0.0, 0.25, 0.5, 0.75)
 # and a MoE block's routed experts before they are rounded. A MoE block without a shared expert
 # (Qwen3-MoE) has no linear to search the scale on: its norm is not folded.
 FOLDABLE = re.compile(r"\.layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj)"
-                      r"|linear_attn\.(in_proj_qkvz|in_proj_qkv|in_proj_z)|mlp\.(shared_expert\.)?(gate_proj|up_proj))$")
+                      r"|linear_attn\.(in_proj_qkvz|in_proj_qkv|in_proj_z)"
+                      r"|mlp\.(shared_expert\.)?(gate_proj|up_proj))$")
 READERS = re.compile(r"\.layers\.\d+\.(linear_attn\.(in_proj_ba|in_proj_a|in_proj_b)|mlp\.(gate|shared_expert_gate))$")
 ROUTED_EXPERTS = re.compile(r"\.layers\.\d+\.mlp\.experts$")
 NORM_OF = {"self_attn": "input_layernorm", "linear_attn": "input_layernorm", "mlp": "post_attention_layernorm"}
