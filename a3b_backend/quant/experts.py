@@ -63,8 +63,9 @@ def round_experts(experts: torch.nn.Module, module: str, checkpoint_name: Callab
     `input_scale`: the AWQ scale folded into the norm they read: gate/up are stored times it,
     rounded on inputs divided by it, and given back in the source's scale."""
     gate_up, down = experts.gate_up_proj, experts.down_proj
-    s = torch.ones(gate_up.shape[2], device=gate_up.device) if input_scale is None else input_scale.to(gate_up)
-    gate_up.mul_(s)
+    s = None if input_scale is None else input_scale.to(gate_up)
+    if s is not None:
+        gate_up.mul_(s)
     count, width = gate_up.shape[0], gate_up.shape[1] // 2
     weights = {"gate_proj": gate_up[:, :width], "up_proj": gate_up[:, width:], "down_proj": down}
     group = max(1, GROUP_WEIGHTS[gate_up.device.type] // (width * gate_up.shape[2]))
@@ -73,7 +74,7 @@ def round_experts(experts: torch.nn.Module, module: str, checkpoint_name: Callab
         members = range(start, min(count, start + group))
         inputs: dict[str, dict[int, torch.Tensor]] = {p: {} for p in PROJECTIONS}
         for e in members if routed is not None else ():
-            own = routed.tokens(e) / s
+            own = routed.tokens(e) if s is None else routed.tokens(e) / s
             if own.shape[0] >= compensating_tokens(own.shape[1]):
                 inputs["gate_proj"][e] = inputs["up_proj"][e] = own
             gate, up = torch.nn.functional.linear(own, gate_up[e]).chunk(2, dim=-1)
@@ -89,7 +90,7 @@ def round_experts(experts: torch.nn.Module, module: str, checkpoint_name: Callab
                 rounded.update({(e, proj): stacked.expert(i) for i, e in enumerate(with_hessian)})
             if rest:
                 importance = torch.stack([stats[f"{module}.{e}.{proj}"].importance for e in rest])
-                if proj != "down_proj":
+                if s is not None and proj != "down_proj":
                     importance = importance / s**2
                 stacked = quantize_stack(weights[proj][rest], config, importance, f"{module}.{proj}")
                 rounded.update({(e, proj): stacked.expert(i) for i, e in enumerate(rest)})
@@ -97,5 +98,6 @@ def round_experts(experts: torch.nn.Module, module: str, checkpoint_name: Callab
         for (e, proj), q in rounded.items():
             tensors.update(q.tensors(checkpoint_name(f"{module}.{e}.{proj}")))
             weights[proj][e] = dequantize(q, config)
-    gate_up.div_(s)
+    if s is not None:
+        gate_up.div_(s)
     return RoundedExperts(tensors, compensated, count * len(PROJECTIONS))
