@@ -82,6 +82,21 @@ def test_folded_adapter_reads_divided_inputs_and_gives_divided_outputs(tmp_path)
     assert (tmp_path / "dst" / lora.ADAPTER_CONFIG).read_text() == (src / lora.ADAPTER_CONFIG).read_text()
 
 
+def test_routed_experts_gate_and_up_take_the_scale_recorded_under_their_experts_module(tmp_path):
+    experts = "model.layers.0.mlp.experts"
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / lora.ADAPTER_CONFIG).write_text(json.dumps({"r": 4, "lora_alpha": 8}))
+    weights = {f"base_model.model.{experts}.3.{proj}.lora_A.weight": torch.randn(4, 6)
+               for proj in ("gate_proj", "up_proj", "down_proj")}
+    save_file(weights, src / lora.ADAPTER_WEIGHTS)
+    scale = torch.rand(6) + 0.5
+    assert fold_scales(src, tmp_path / "dst", {experts: scale}, {}) == 2
+    after = load_file(tmp_path / "dst" / lora.ADAPTER_WEIGHTS)
+    for key, before in weights.items():  # down_proj reads act(gate) * up, which no norm scales
+        torch.testing.assert_close(after[key], before * scale if "down_proj" not in key else before)
+
+
 def test_prepare_folds_only_for_checkpoints_with_input_scales(tmp_path):
     listed = {"a": adapter(tmp_path / "a")}
     plain = checkpoint(tmp_path / "plain", calibrated=False)
