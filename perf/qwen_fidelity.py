@@ -47,7 +47,7 @@ SEQUENCES, SEQUENCE_TOKENS = 48, 128
 # for settings that kept the untuned layers there
 TUNE_STEPS = 60
 # label -> (checkpoint directory's name, a3b-quantize options)
-SOURCES = ("as-built", "outliers")
+SOURCES = {"as-built": "qwen-tiny as built", "outliers": "with outlier channels"}  # slug -> report label
 UNTUNED = "untuned (make model-qwen's)"
 VARIANTS = {
     "uncalibrated": ("uncalibrated", ["--uncalibrated"]),
@@ -171,9 +171,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="which sources to measure (default: both)")
     args = parser.parse_args(argv)
     WORK.mkdir(parents=True, exist_ok=True)
-    sources = {"as-built": ("qwen-tiny as built", lambda: QWEN_TINY),
-               "outliers": ("with outlier channels", lambda: with_outliers(QWEN_TINY, WORK / "outliers"))}
-    results = {sources[slug][0]: measure(sources[slug][1](), slug) for slug in args.sources}
+    results = {SOURCES[slug]: measure(QWEN_TINY if slug == "as-built" else with_outliers(QWEN_TINY, WORK / "outliers"),
+                                      slug) for slug in args.sources}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "qwen_fidelity.json").write_text(json.dumps({"machine": machine(), "results": results}, indent=1))
     command = ("make bench-qwen-fidelity" if args.sources == list(SOURCES)
